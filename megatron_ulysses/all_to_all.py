@@ -1,0 +1,104 @@
+"""The two Ulysses all-to-alls: q, k, v in (one fused exchange) and the attention output out.
+
+Glossary (shapes per rank, megatron's sequence-first layout):
+    s    full sequence            s/P  local sequence shard
+    b    micro batch              H    query heads on this TP rank
+    G    kv heads (query groups) on this TP rank, G' = max(G, P) after replication
+    d    head dim                 P    Ulysses SP size
+
+In:  q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]`  ->  q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`.
+Out: o `[s, b, H/P, d]`  ->  `[s/P, b, H*d]`.
+
+The layout functions (`pack_*`, `unpack_*`) are pure tensor math testable without a process group;
+`AllToAll` is the only collective. The exchange is its own inverse, so its backward is the same
+all-to-all on the gradient; autograd handles the pure permutations around it.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def replicate_kv_heads(kv: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """`[s/P, b, G, d]` -> `[s/P, b, max(G, P), d]`.
+
+    With G < P each kv head is repeated P/G times, so SP rank r receives kv head r*G/P: the group
+    its query heads `[r*H/P, (r+1)*H/P)` use. The backward of the repeat sums the replicas' grads.
+    """
+    groups = kv.shape[2]
+    if groups >= sp_size:
+        return kv
+    return kv.repeat_interleave(sp_size // groups, dim=2)
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """q `[s/P, b, H, d]`, k, v `[s/P, b, G', d]` -> send buffer `[P, s/P, b, (H+2G')/P, d]`.
+
+    Chunk j holds the q, k and v heads destined for SP rank j, contiguous, so one all-to-all
+    moves all three.
+    """
+    s_local, b, _, d = q.shape
+    parts = [t.reshape(s_local, b, sp_size, t.shape[2] // sp_size, d) for t in (q, k, v)]
+    return torch.cat(parts, dim=3).permute(2, 0, 1, 3, 4).contiguous()
+
+
+def unpack_qkv(buffer: torch.Tensor, num_q_heads: int, num_kv_heads: int):
+    """Receive buffer `[P, s/P, b, (H+2G')/P, d]` -> q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`.
+
+    Chunk i came from SP rank i, i.e. holds tokens `[i*s/P, (i+1)*s/P)`; `num_q_heads` and
+    `num_kv_heads` are the per-rank counts H/P and G'/P.
+    """
+    p, s_local, b, _, d = buffer.shape
+    full = buffer.reshape(p * s_local, b, -1, d)
+    return full.split([num_q_heads, num_kv_heads, num_kv_heads], dim=2)
+
+
+def pack_output(out: torch.Tensor, sp_size: int) -> torch.Tensor:
+    """o `[s, b, H/P, d]` -> send buffer `[P, s/P, b, H/P, d]` (chunk j: SP rank j's tokens)."""
+    s, b, h_local, d = out.shape
+    return out.reshape(sp_size, s // sp_size, b, h_local, d)
+
+
+def unpack_output(buffer: torch.Tensor) -> torch.Tensor:
+    """Receive buffer `[P, s/P, b, H/P, d]` (chunk j: head group j) -> `[s/P, b, H*d]`."""
+    p, s_local, b, h_local, d = buffer.shape
+    return buffer.permute(1, 2, 0, 3, 4).reshape(s_local, b, p * h_local * d)
+
+
+def exchange_reference(send_buffers):
+    """What one all-to-all does to the P ranks' send buffers `[P, ...]`, without a process group:
+    rank i receives chunk i of every rank j, in order of j."""
+    return [torch.stack([buf[i] for buf in send_buffers]) for i in range(len(send_buffers))]
+
+
+class AllToAll(torch.autograd.Function):
+    """Equal-split all-to-all over dim 0 of `[P, ...]`; backward is the same exchange."""
+
+    @staticmethod
+    def forward(ctx, buffer: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _all_to_all(buffer, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _all_to_all(grad.contiguous(), ctx.group), None
+
+
+def _all_to_all(buffer: torch.Tensor, group) -> torch.Tensor:
+    out = torch.empty_like(buffer)
+    dist.all_to_all_single(out, buffer, group=group)
+    return out
+
+
+def qkv_to_head_sharded(q, k, v, group):
+    """Sequence-sharded q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]` -> head-sharded
+    q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`, in one collective."""
+    sp_size = dist.get_world_size(group)
+    k, v = replicate_kv_heads(k, sp_size), replicate_kv_heads(v, sp_size)
+    received = AllToAll.apply(pack_qkv(q, k, v, sp_size), group)
+    return unpack_qkv(received, q.shape[2] // sp_size, k.shape[2] // sp_size)
+
+
+def output_to_sequence_sharded(out: torch.Tensor, group) -> torch.Tensor:
+    """Head-sharded attention output `[s, b, H/P, d]` -> sequence-sharded `[s/P, b, H*d]`."""
+    sp_size = dist.get_world_size(group)
+    return unpack_output(AllToAll.apply(pack_output(out, sp_size), group))

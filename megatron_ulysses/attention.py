@@ -1,0 +1,83 @@
+"""UlyssesAttention: the core-attention module of megatron-core's GPT layer spec, wrapped in the
+two Ulysses all-to-alls.
+
+Shapes per rank (see `all_to_all` for the glossary): q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]`
+in (already rotated with global positions), `[s/P, b, H*d]` out, exactly what megatron-core's
+`SelfAttention` hands to and expects from `core_attention`. In between, the local backend sees
+every token for H/P heads, so the plain causal mask (or the packed documents' global
+`cu_seqlens`) is the whole story.
+"""
+
+from megatron.core.transformer.module import MegatronModule
+
+from . import parallel_state as ps
+from .all_to_all import output_to_sequence_sharded, qkv_to_head_sharded
+from .backends import build_local_attention, resolve_backend
+
+
+class UlyssesAttention(MegatronModule):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        attention_type: str = "self",
+        attention_dropout=None,
+        softmax_scale=None,
+        cp_comm_type=None,
+        pg_collection=None,
+        backend: str = "auto",
+        **kwargs,
+    ):
+        super().__init__(config=config)
+        self.sp_group = ps.get_ulysses_sp_group()
+        self.sp_size = ps.get_ulysses_sp_world_size()
+        tp = config.tensor_model_parallel_size
+        heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
+        ps.get_parallel_dims().validate_model(config.num_attention_heads, config.num_query_groups)
+        self.num_heads = heads // self.sp_size
+        self.num_kv_heads = max(groups, self.sp_size) // self.sp_size
+        self.backend = resolve_backend(backend)
+        self.local_attention = build_local_attention(
+            self.backend, config, layer_number, self.num_heads, self.num_kv_heads,
+            softmax_scale, attention_dropout,
+        )
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **kwargs,
+    ):
+        """q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]` -> `[s/P, b, H*d]`."""
+        if attention_mask is not None or attention_bias is not None:
+            raise ValueError(
+                "UlyssesAttention takes no dense attention mask or bias (a sequence shard cannot "
+                "describe the full-sequence mask); packed documents come as global cu_seqlens "
+                "(--reset-attention-mask)"
+            )
+        cu_seqlens = max_seqlen = None
+        if packed_seq_params is not None:
+            if packed_seq_params.qkv_format != "sbhd":
+                raise ValueError(
+                    "UlyssesAttention expects packed_seq_params with qkv_format='sbhd' holding "
+                    f"global cu_seqlens over [b*s]; got qkv_format={packed_seq_params.qkv_format!r}"
+                )
+            cu_seqlens, max_seqlen = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
+        s_local, b = query.shape[:2]
+        assert query.shape[2] == self.num_heads * self.sp_size, (
+            f"query has {query.shape[2]} heads, expected {self.num_heads * self.sp_size}"
+        )
+        if self.sp_size == 1:
+            out = self.local_attention(query, key, value, cu_seqlens, max_seqlen)
+            return out.reshape(s_local, b, -1)
+        q, k, v = qkv_to_head_sharded(query, key, value, self.sp_group)
+        if cu_seqlens is not None:
+            cu_seqlens = cu_seqlens.to(q.device)
+        out = self.local_attention(q, k, v, cu_seqlens, max_seqlen)
+        return output_to_sequence_sharded(out, self.sp_group)

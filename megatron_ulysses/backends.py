@@ -1,0 +1,166 @@
+"""Local attention backends run by UlyssesAttention after the exchange, on head-sharded tensors.
+
+Every backend maps q `[s, b, Hl, d]`, k, v `[s, b, Gl, d]` (Hl = H/P query heads, Gl = G'/P kv
+heads of this rank, full sequence `s`) to `[s, b, Hl, d]`, causally. With packed documents,
+`cu_seqlens` (int32 `[n+1]`, over the batch-major flattened `[b*s]` sequence, global since every
+rank now holds all `s` tokens) bounds the documents and attention never crosses them.
+
+    te     Transformer Engine DotProductAttention (fused/cuDNN kernels; THD for packed documents)
+    sdpa   torch scaled_dot_product_attention (kv heads expanded first so cuDNN/flash stay usable;
+           packed documents run one causal call per document)
+    local  megatron-core's DotProductAttention (unfused reference; packed documents as a mask)
+"""
+
+import copy
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+BACKENDS = ("te", "sdpa", "local")
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def resolve_backend(name: str) -> str:
+    """`auto` -> `te` when Transformer Engine is installed, else `sdpa`."""
+    if name == "auto":
+        return "te" if te_available() else "sdpa"
+    if name not in BACKENDS:
+        raise ValueError(
+            f"--ulysses-attention-backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}"
+        )
+    if name == "te" and not te_available():
+        raise ValueError(
+            "--ulysses-attention-backend te needs Transformer Engine "
+            "(pip install 'megatron_ulysses[te]'); use sdpa or local instead"
+        )
+    return name
+
+
+def document_spans(cu_seqlens: torch.Tensor, seq_len: int):
+    """Yield `(sample, start, end)` for each document of a batch-major packed `[b*s]` sequence."""
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end > start:
+            sample = start // seq_len
+            yield sample, start - sample * seq_len, end - sample * seq_len
+
+
+def block_causal_mask(cu_seqlens: torch.Tensor, seq_len: int, batch: int, device) -> torch.Tensor:
+    """`[b, 1, s, s]` bool, True where attention is masked out (future tokens, other documents)."""
+    doc = torch.zeros(batch * seq_len, dtype=torch.long, device=device)
+    doc[cu_seqlens[1:-1].long().to(device)] = 1
+    doc = doc.cumsum(0).view(batch, seq_len)
+    same_doc = doc[:, :, None] == doc[:, None, :]
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()
+    return ~(same_doc & causal)[:, None]
+
+
+class SDPAAttention(torch.nn.Module):
+    def __init__(self, num_heads, num_kv_heads, softmax_scale, attention_dropout):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.softmax_scale, self.dropout = softmax_scale, attention_dropout
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        if self.num_kv_heads != self.num_heads:
+            # enable_gqa=True leaves the cuDNN path; an explicit expand keeps it.
+            k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)
+            v = v.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, Hl, s, d]
+        dropout = self.dropout if self.training else 0.0
+        if cu_seqlens is None:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=dropout, scale=self.softmax_scale
+            )
+        else:
+            out = torch.empty_like(q)
+            for i, start, end in document_spans(cu_seqlens, q.shape[2]):
+                out[i, :, start:end] = F.scaled_dot_product_attention(
+                    q[i, :, start:end], k[i, :, start:end], v[i, :, start:end],
+                    is_causal=True, dropout_p=dropout, scale=self.softmax_scale,
+                )
+        return out.permute(2, 0, 1, 3)
+
+
+class LocalAttention(torch.nn.Module):
+    """megatron-core's unfused DotProductAttention sized for Hl query and Gl kv heads."""
+
+    def __init__(self, config, layer_number, num_heads, num_kv_heads, softmax_scale, dropout):
+        super().__init__()
+        tp = config.tensor_model_parallel_size
+        local_config = copy.copy(config)
+        # megatron-core divides head counts by TP itself.
+        local_config.num_attention_heads = num_heads * tp
+        local_config.num_query_groups = num_kv_heads * tp
+        self.attention = DotProductAttention(
+            config=local_config,
+            layer_number=layer_number,
+            attn_mask_type=AttnMaskType.causal,
+            attention_type="self",
+            attention_dropout=dropout,
+            softmax_scale=softmax_scale,
+        )
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        s, b = q.shape[:2]
+        if cu_seqlens is None:
+            # Explicit: megatron-core's default causal mask is built on device "cuda".
+            mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)[None, None]
+            mask_type = AttnMaskType.causal
+        else:
+            mask, mask_type = block_causal_mask(cu_seqlens, s, b, q.device), AttnMaskType.padding
+        # megatron-core views its inputs; the exchange hands over strided head slices.
+        q, k, v = (t.contiguous() for t in (q, k, v))
+        out = self.attention(q, k, v, mask, attn_mask_type=mask_type)
+        return out.view(s, b, q.shape[2], q.shape[3])
+
+
+class TEAttention(torch.nn.Module):
+    def __init__(self, config, layer_number, num_heads, num_kv_heads, softmax_scale, dropout):
+        super().__init__()
+        from transformer_engine.pytorch import DotProductAttention as TEDotProductAttention
+
+        self.attention = TEDotProductAttention(
+            num_attention_heads=num_heads,
+            kv_channels=config.kv_channels,
+            num_gqa_groups=num_kv_heads,
+            attention_dropout=dropout,
+            qkv_format="sbhd",
+            attn_mask_type="causal",
+            layer_number=layer_number,
+            softmax_scale=softmax_scale,
+            get_rng_state_tracker=tensor_parallel.get_cuda_rng_tracker if dropout > 0 else None,
+        )
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        s, b, h, d = q.shape
+        if cu_seqlens is None:
+            return self.attention(q, k, v).view(s, b, h, d)
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))
+        out = self.attention(
+            q, k, v,
+            qkv_format="thd",
+            attn_mask_type="padding_causal",
+            cu_seqlens_q=cu_seqlens,
+            cu_seqlens_kv=cu_seqlens,
+            max_seqlen_q=max_seqlen,
+            max_seqlen_kv=max_seqlen,
+        )
+        return out.view(b, s, h, d).transpose(0, 1)
+
+
+def build_local_attention(backend, config, layer_number, num_heads, num_kv_heads, softmax_scale,
+                          attention_dropout):
+    """The backend module for Hl = `num_heads` query and Gl = `num_kv_heads` kv heads."""
+    dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+    if backend == "sdpa":
+        return SDPAAttention(num_heads, num_kv_heads, softmax_scale, dropout)
+    cls = {"te": TEAttention, "local": LocalAttention}[backend]
+    return cls(config, layer_number, num_heads, num_kv_heads, softmax_scale, dropout)

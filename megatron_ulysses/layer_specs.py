@@ -1,0 +1,63 @@
+"""GPT layer spec and model with Ulysses attention.
+
+The layer is megatron-core's own GPT layer spec (TE linear layers for the `te` backend, local
+ones otherwise) with one entry swapped: `self_attention.submodules.core_attention` becomes
+`UlyssesAttention`. The model is megatron-core's `GPTModel`, with RoPE taking global positions.
+"""
+
+import copy
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from .attention import UlyssesAttention
+from .backends import resolve_backend
+from .rope import ShardedRotaryEmbedding
+
+
+def get_gpt_layer_ulysses_spec(
+    backend: str = "auto", normalization: str = "LayerNorm", qk_layernorm: bool = False
+) -> ModuleSpec:
+    """megatron-core's GPT layer spec with `UlyssesAttention` as core attention."""
+    backend = resolve_backend(backend)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=UlyssesAttention, params={"backend": backend}
+    )
+    return spec
+
+
+class UlyssesGPTModel(GPTModel):
+    """megatron-core's GPTModel for sequence-sharded input `[b, s/P]`; RoPE uses global
+    positions. Learned absolute embeddings take global `position_ids` from the data loader."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.position_embedding_type == "rope":
+            self.rotary_pos_emb = ShardedRotaryEmbedding(self.rotary_pos_emb)
+
+
+def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: str = "auto",
+                    pre_process: bool = True, post_process: bool = True, **gpt_kwargs):
+    """A `UlyssesGPTModel` with the Ulysses layer spec for `backend`."""
+    spec = get_gpt_layer_ulysses_spec(
+        backend, normalization=config.normalization, qk_layernorm=config.qk_layernorm
+    )
+    return UlyssesGPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        **gpt_kwargs,
+    )

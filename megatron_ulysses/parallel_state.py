@@ -1,0 +1,213 @@
+"""Ulysses sequence-parallel (SP) process groups, carved out of megatron-core's data parallelism.
+
+Glossary: `P` Ulysses SP size, `DP` pure data-parallel size, `TP`/`PP` megatron-core's tensor and
+pipeline sizes. world = TP x PP x DP x P.
+
+megatron-core is initialized with context parallel 1, so it sees a data-parallel size DP' = DP x P:
+its DDP and distributed optimizer reduce and shard over DP x P unchanged. The SP groups are blocks
+of P consecutive members of each megatron-core DP group (right after TP in rank order, so an SP
+group sits on one node when TP x P <= GPUs per node); the pure-DP groups decide which sample a rank
+reads, so every rank of one SP group reads the same sample.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.parallel_state import RankGenerator
+
+_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default; our SP takes the 'cp' slot of the generator
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Every parallel degree of one run. SP is the inner part of megatron-core's DP."""
+
+    world_size: int
+    tp: int = 1
+    pp: int = 1
+    sp: int = 1
+
+    def __post_init__(self):
+        for name, flag, value in (
+            ("tp", "--tensor-model-parallel-size", self.tp),
+            ("pp", "--pipeline-model-parallel-size", self.pp),
+            ("sp", "--ulysses-sp-size", self.sp),
+        ):
+            if value < 1:
+                raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.world_size % (self.tp * self.pp * self.sp) != 0:
+            raise ValueError(
+                f"world size {self.world_size} is not divisible by "
+                f"--tensor-model-parallel-size ({self.tp}) x --pipeline-model-parallel-size "
+                f"({self.pp}) x --ulysses-sp-size ({self.sp}) = {self.tp * self.pp * self.sp}; "
+                "change one of these flags or the number of processes"
+            )
+
+    @property
+    def dp(self) -> int:
+        """Pure data-parallel size: how many different samples one step reads per micro batch."""
+        return self.world_size // (self.tp * self.pp * self.sp)
+
+    @property
+    def megatron_dp(self) -> int:
+        """megatron-core's data-parallel size DP' = DP x SP."""
+        return self.dp * self.sp
+
+    def validate_model(
+        self,
+        num_attention_heads: int,
+        num_query_groups: Optional[int],
+        seq_length: Optional[int] = None,
+    ) -> None:
+        """Check the model shape against TP x SP; raise one clear error naming the flag."""
+        heads, groups = num_attention_heads, num_query_groups or num_attention_heads
+        tp_sp = self.tp * self.sp
+        if heads % tp_sp != 0:
+            raise ValueError(
+                f"--num-attention-heads ({heads}) must be divisible by "
+                f"--tensor-model-parallel-size x --ulysses-sp-size ({self.tp} x {self.sp} = "
+                f"{tp_sp}): Ulysses gives every SP rank the same number of heads"
+            )
+        if heads % groups != 0:
+            raise ValueError(
+                f"--num-attention-heads ({heads}) must be divisible by --num-query-groups ({groups})"
+            )
+        if groups % self.tp != 0:
+            raise ValueError(
+                f"--num-query-groups ({groups}) must be divisible by "
+                f"--tensor-model-parallel-size ({self.tp})"
+            )
+        local_groups = groups // self.tp
+        if local_groups % self.sp != 0 and self.sp % local_groups != 0:
+            raise ValueError(
+                f"--num-query-groups ({groups}) per tensor-parallel rank ({local_groups}) and "
+                f"--ulysses-sp-size ({self.sp}) must divide one another (kv heads are split over "
+                "SP ranks, or replicated when there are fewer kv heads than SP ranks); change "
+                "--num-query-groups or --ulysses-sp-size"
+            )
+        if seq_length is not None and seq_length % (self.sp * self.tp) != 0:
+            raise ValueError(
+                f"--seq-length ({seq_length}) must be divisible by --ulysses-sp-size x "
+                f"--tensor-model-parallel-size ({self.sp} x {self.tp}); pad the sequence or "
+                "change --seq-length"
+            )
+
+
+_DIMS: Optional[ParallelDims] = None
+_SP_GROUP = None
+_SP_RANKS = None
+_DP_GROUP = None
+_DP_RANKS = None
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    ulysses_sp_size: int = 1,
+    **megatron_kwargs,
+) -> ParallelDims:
+    """Initialize megatron-core's parallel state (CP = 1) and the Ulysses SP / pure-DP groups.
+
+    `torch.distributed` must already be initialized. Returns the run's `ParallelDims`.
+    """
+    global _DIMS, _SP_GROUP, _SP_RANKS, _DP_GROUP, _DP_RANKS
+    if _DIMS is not None:
+        raise RuntimeError("megatron_ulysses parallel state is already initialized")
+    dims = ParallelDims(
+        world_size=dist.get_world_size(),
+        tp=tensor_model_parallel_size,
+        pp=pipeline_model_parallel_size,
+        sp=ulysses_sp_size,
+    )
+    mpu.initialize_model_parallel(
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        context_parallel_size=1,
+        order=_ORDER,
+        **megatron_kwargs,
+    )
+    generator = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.sp, order=_ORDER)
+    rank = dist.get_rank()
+    # new_group is collective: every rank creates every group, in the same order.
+    for ranks in generator.get_ranks("cp"):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _SP_GROUP, _SP_RANKS = group, ranks
+    for ranks in generator.get_ranks("dp"):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            _DP_GROUP, _DP_RANKS = group, ranks
+    _DIMS = dims
+    return dims
+
+
+def is_initialized() -> bool:
+    return _DIMS is not None
+
+
+def _require():
+    if _DIMS is None:
+        raise RuntimeError(
+            "megatron_ulysses parallel state is not initialized: call "
+            "megatron_ulysses.parallel_state.initialize_model_parallel first"
+        )
+
+
+def get_parallel_dims() -> ParallelDims:
+    _require()
+    return _DIMS
+
+
+def get_ulysses_sp_group():
+    _require()
+    return _SP_GROUP
+
+
+def get_ulysses_sp_world_size() -> int:
+    _require()
+    return _DIMS.sp
+
+
+def get_ulysses_sp_rank() -> int:
+    _require()
+    return _SP_RANKS.index(dist.get_rank())
+
+
+def get_ulysses_sp_ranks() -> list:
+    _require()
+    return list(_SP_RANKS)
+
+
+def get_data_parallel_group():
+    """The pure-DP group (ranks holding different samples), without the SP ranks."""
+    _require()
+    return _DP_GROUP
+
+
+def get_data_parallel_world_size() -> int:
+    _require()
+    return _DIMS.dp
+
+
+def get_data_parallel_rank() -> int:
+    _require()
+    return _DP_RANKS.index(dist.get_rank())
+
+
+def destroy_model_parallel() -> None:
+    """Tear down our groups and megatron-core's parallel state (not the default group)."""
+    global _DIMS, _SP_GROUP, _SP_RANKS, _DP_GROUP, _DP_RANKS
+    for group in {_SP_GROUP, _DP_GROUP} - {None}:
+        dist.destroy_process_group(group)
+    _DIMS = _SP_GROUP = _SP_RANKS = _DP_GROUP = _DP_RANKS = None
+    mpu.destroy_model_parallel()
+
+
+def all_reduce_over_data_and_sp(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` in place over megatron-core's DP' = DP x SP group (all ranks of one TP/PP
+    position)."""
+    dist.all_reduce(tensor, group=mpu.get_data_parallel_group())
+    return tensor

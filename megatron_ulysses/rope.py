@@ -1,0 +1,38 @@
+"""Rotary embeddings with global positions for contiguous sequence shards.
+
+megatron-core rotates q and k inside `SelfAttention`, before core attention, while they are still
+sequence-sharded: SP rank r holds tokens `[r*s/P, (r+1)*s/P)` and must rotate them with those
+positions, not `0 .. s/P-1`. (megatron-core's own CP slicing assumes zigzag order and does not
+apply to contiguous shards.) Packed documents need no position reset for RoPE: attention never
+crosses a document boundary and RoPE scores depend only on relative positions.
+"""
+
+import torch
+
+from . import parallel_state as ps
+
+
+class ShardedRotaryEmbedding(torch.nn.Module):
+    """Wraps megatron-core's `RotaryEmbedding`; returns `[s/P, 1, 1, d]` frequencies for this SP
+    rank's positions `[r*s/P, (r+1)*s/P)`."""
+
+    def __init__(self, rotary: torch.nn.Module):
+        super().__init__()
+        self.rotary = rotary
+
+    def get_rotary_seq_len(self, inference_context, transformer, transformer_input,
+                           transformer_config, packed_seq_params=None, **kwargs) -> int:
+        """The local length s/P (packed documents keep the sbhd layout, so it is never the
+        packed maximum)."""
+        if transformer is not None and transformer.input_tensor is not None:
+            seq_len = transformer.input_tensor.size(0)
+        else:
+            seq_len = transformer_input.size(0)
+        if transformer_config.sequence_parallel:
+            seq_len *= transformer_config.tensor_model_parallel_size
+        return seq_len
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False,
+                cp_group=None) -> torch.Tensor:
+        offset += ps.get_ulysses_sp_rank() * max_seq_len
+        return self.rotary(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)

@@ -1,0 +1,1 @@
+"""Training: arguments, loop, checkpointing, logging, and the CPU-compat shim."""

@@ -1,0 +1,95 @@
+"""The one CPU-compatibility shim: lets megatron-core run on a machine without CUDA (tests, the
+CPU quickstart). `install()` does nothing when CUDA is available.
+
+megatron-core assumes CUDA in a few places that matter for a CPU run: `torch.cuda.current_device()`
+as a tensor device (RoPE, GlobalMemoryBuffer, local attention), `torch.cuda.current_stream()`
+(DDP), `torch.cuda.synchronize()` (dist_checkpointing) and the CUDA RNG tracker (dropout under
+tensor parallelism, activation recompute). On CPU these map to the CPU device, no-ops and a
+tracker over CPU generator states.
+"""
+
+import contextlib
+
+import torch
+
+_INSTALLED = False
+
+
+class _NullStream:
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _cpu_rng_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Same contract as megatron-core's tracker, over CPU generator states."""
+
+        def add(self, name, seed):
+            if name in self.states_:
+                raise Exception(f"cpu rng state {name} already exists")
+            orig = torch.get_rng_state()
+            torch.manual_seed(seed)
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"cpu rng state {name} is not added")
+            orig = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(orig)
+
+    return CpuRNGStatesTracker
+
+
+def install() -> None:
+    """Apply the shim once, only when CUDA is absent."""
+    global _INSTALLED
+    if _INSTALLED or torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.stream = lambda *args, **kwargs: _NullStream()
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    _INSTALLED = True
+
+
+def model_parallel_manual_seed(seed: int) -> None:
+    """megatron-core's `model_parallel_cuda_manual_seed` on GPU; on CPU the same named streams
+    (default, tensor-model-parallel, data-parallel) over CPU generator states."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        return
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add("model-parallel-rng", seed + 2718 + mpu.get_tensor_model_parallel_rank())
+    tracker.add(tensor_parallel.random.get_data_parallel_rng_tracker_name(), seed)
+    tracker.add(tensor_parallel.random.get_expert_parallel_rng_tracker_name(),
+                seed + 1024 + 100 * mpu.get_expert_model_parallel_rank()
+                + mpu.get_tensor_model_parallel_rank())

@@ -1,0 +1,147 @@
+"""UlyssesAttention against plain unsharded attention and DeepSpeed's DistributedAttention.
+
+Each P runs in one set of gloo workers; every rank builds the same full q, k, v, takes its
+sequence shard, and compares its output shard and its q/k/v gradient shards with attention
+computed on the whole sequence.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer import TransformerConfig
+
+from megatron_ulysses import all_to_all
+from megatron_ulysses import parallel_state as ps
+from megatron_ulysses.attention import UlyssesAttention
+from megatron_ulysses.training import cpu_compat
+
+from distributed import spawn
+
+S, B, D = 16, 2, 8
+
+
+def reference_attention(q, k, v, doc_ids=None):
+    """Plain causal attention on the whole sequence: q `[s, b, H, d]`, k, v `[s, b, G, d]`."""
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.shape[-1] ** 0.5
+    allowed = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()[None, None]
+    if doc_ids is not None:  # [b, s]
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("bhst,tbhd->sbhd", probs, v)
+
+
+def _inputs(heads, groups, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(S, B, n, D, generator=gen) for n in (heads, groups, groups, heads)]
+
+
+def _config(heads, groups):
+    return TransformerConfig(
+        num_layers=1, hidden_size=heads * D, num_attention_heads=heads, num_query_groups=groups,
+        kv_channels=D, attention_dropout=0.0, hidden_dropout=0.0, use_cpu_initialization=True,
+    )
+
+
+def _check_against_reference(attention_fn, heads, groups, p, r, seed, packed=False):
+    q, k, v, grad_out = _inputs(heads, groups, seed)
+    doc_ids = cu_seqlens = None
+    if packed:  # documents of lengths 5, 7, 4 in sample 0 and 9, 7 in sample 1
+        cu_seqlens = torch.tensor([0, 5, 12, 16, 25, 32], dtype=torch.int32)
+        doc_ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4 + [3] * 9 + [4] * 7).view(B, S)
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = reference_attention(*full, doc_ids)
+    expected.backward(grad_out)
+    sl = slice(r * S // p, (r + 1) * S // p)
+    local = [t[sl].clone().requires_grad_() for t in (q, k, v)]
+    out = attention_fn(*local, cu_seqlens)
+    assert out.shape == (S // p, B, heads * D)
+    out.backward(grad_out[sl].reshape(S // p, B, heads * D))
+    torch.testing.assert_close(out, expected[sl].reshape(S // p, B, -1), rtol=1e-5, atol=1e-5)
+    for got, ref in zip(local, full):
+        torch.testing.assert_close(got.grad, ref.grad[sl], rtol=1e-5, atol=1e-5)
+
+
+def _ulysses_cases(rank, world_size):
+    cpu_compat.install()
+    ps.initialize_model_parallel(ulysses_sp_size=world_size)
+    cpu_compat.model_parallel_manual_seed(0)
+    try:
+        r = ps.get_ulysses_sp_rank()
+        assert r == rank
+        shapes = [(8, 8), (8, 4), (8, 2), (8, 1)]  # MHA, G >= P, G < P (replicated)
+        for seed, (heads, groups) in enumerate(shapes):
+            for backend in ("sdpa", "local"):
+                attn = UlyssesAttention(_config(heads, groups), layer_number=1, backend=backend)
+                for packed in (False, True):
+                    fn = lambda q, k, v, cu: attn(  # noqa: E731
+                        q, k, v, None,
+                        packed_seq_params=None if cu is None else PackedSeqParams(
+                            qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                            max_seqlen_q=9, max_seqlen_kv=9),
+                    )
+                    _check_against_reference(fn, heads, groups, world_size, r, seed, packed)
+        _check_collective_count(world_size)
+        _check_against_deepspeed(world_size, r)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _check_collective_count(p):
+    """Two all-to-alls per forward (fused q/k/v in, output out), two per backward."""
+    calls = []
+    original = all_to_all.dist.all_to_all_single
+
+    def counting(out, inp, *args, **kwargs):
+        calls.append(inp.numel())
+        return original(out, inp, *args, **kwargs)
+
+    all_to_all.dist.all_to_all_single = counting
+    try:
+        attn = UlyssesAttention(_config(8, 2), layer_number=1, backend="sdpa")
+        q, k, v, grad_out = _inputs(8, 2, 0)
+        local = [t[: S // p].clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*local, None)
+        assert len(calls) == 2, calls
+        kv = max(2, p)
+        assert calls == [(S // p) * B * D * (8 + 2 * kv), (S // p) * B * D * 8]
+        out.backward(grad_out[: S // p].reshape(S // p, B, -1))
+        assert len(calls) == 4
+    finally:
+        all_to_all.dist.all_to_all_single = original
+
+
+def _check_against_deepspeed(p, r):
+    """Same output and grads as DeepSpeed's Ulysses `DistributedAttention` (even heads)."""
+    import deepspeed
+    from deepspeed.sequence.layer import DistributedAttention
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+    def local_attn(q, k, v, *args, **kwargs):  # [s, b, H/P, d] after DeepSpeed's exchange
+        return reference_attention(q, k, v)
+
+    ds_attention = DistributedAttention(local_attn, ps.get_ulysses_sp_group(), scatter_idx=2,
+                                        gather_idx=0)
+    for seed, (heads, groups) in enumerate([(8, 8), (8, 4)]):
+        ours = UlyssesAttention(_config(heads, groups), layer_number=1, backend="local")
+        q, k, v, grad_out = _inputs(heads, groups, 100 + seed)
+        sl = slice(r * S // p, (r + 1) * S // p)
+        results = []
+        for fn in (lambda *t: ours(*t, None), lambda *t: ds_attention(*t, 1)):  # batch dim 1
+            local = [t[sl].clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*local).reshape(S // p, B, heads * D)
+            out.backward(grad_out[sl].reshape(S // p, B, -1))
+            results.append([out] + [t.grad for t in local])
+        for got, ref in zip(*results):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    dist.barrier()
+
+
+def test_ulysses_attention_sp2():
+    spawn(_ulysses_cases, 2)
+
+
+def test_ulysses_attention_sp4():
+    spawn(_ulysses_cases, 4)
