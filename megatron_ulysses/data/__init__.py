@@ -1,0 +1,1 @@
+"""Data pipeline: tokenizers, megatron-core GPT datasets and Ulysses sequence sharding."""

@@ -1,0 +1,152 @@
+"""Pure tensor functions that turn a GPT micro batch into one Ulysses rank's sequence shard.
+
+No process groups here: callers pass ``sp_rank``/``sp_size``.
+
+Glossary: ``b`` micro batch size, ``s`` full sequence length, ``P`` Ulysses SP size,
+``s/P`` local sequence length. ``labels`` are already shifted (``labels[:, i]`` is the token
+after ``tokens[:, i]``), as megatron-core's ``GPTDataset`` returns them.
+"""
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+# The [b, s] entries of a batch; everything else (cu_seqlens, max_seqlen) describes the global
+# sequence and is shared by all SP ranks.
+SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def pad_to_multiple(batch: Dict[str, torch.Tensor], multiple: int, pad_id: int) -> Dict:
+    """Pad every ``[b, s]`` entry on the right to ``[b, s']``, ``s'`` the next multiple of
+    ``multiple``. tokens/labels get ``pad_id``, loss_mask 0, position_ids keep counting
+    (last+1, last+2, ...). Returns ``batch`` itself when ``s`` is already a multiple.
+    """
+    seq_len = batch["tokens"].shape[1]
+    num_pad = -seq_len % multiple
+    if num_pad == 0:
+        return batch
+    padded = dict(batch)
+    for key in ("tokens", "labels"):
+        padded[key] = torch.nn.functional.pad(batch[key], (0, num_pad), value=pad_id)
+    padded["loss_mask"] = torch.nn.functional.pad(batch["loss_mask"], (0, num_pad), value=0)
+    positions = batch["position_ids"]
+    steps = torch.arange(1, num_pad + 1, dtype=positions.dtype, device=positions.device)
+    padded["position_ids"] = torch.cat([positions, positions[:, -1:] + steps], dim=1)
+    return padded
+
+
+def _document_starts(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """``[b, s]`` bool: True where a document starts (column 0 and right after every EOD)."""
+    starts = torch.zeros_like(tokens, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[:, 1:] = tokens[:, :-1] == eod_id
+    return starts
+
+
+def document_boundaries(
+    tokens: torch.Tensor, eod_id: int, valid_length: Optional[int] = None
+) -> Tuple[torch.Tensor, int]:
+    """Cumulative document lengths of the batch-major flattened ``[b*s]`` sequence.
+
+    A document starts at every sample start and after every EOD (Megatron-LM
+    ``reset_attention_mask``). Positions ``>= valid_length`` in each sample are padding and form
+    one final segment per sample, whatever their token ids.
+
+    Args:
+        tokens: ``[b, s]`` token ids.
+        eod_id: end-of-document id.
+        valid_length: unpadded length; ``None`` means ``s``.
+    Returns:
+        ``cu_seqlens`` int32 ``[num_segments + 1]`` (first 0, last ``b*s``) and ``max_seqlen``.
+    """
+    batch_size, seq_len = tokens.shape
+    valid_length = seq_len if valid_length is None else valid_length
+    starts = _document_starts(tokens, eod_id)
+    starts[:, valid_length:] = False
+    if valid_length < seq_len:
+        starts[:, valid_length] = True
+    start_positions = torch.nonzero(starts.reshape(-1)).reshape(-1)
+    end = torch.tensor([batch_size * seq_len], device=tokens.device)
+    cu_seqlens = torch.cat([start_positions, end]).to(torch.int32)
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return cu_seqlens, max_seqlen
+
+
+def reset_position_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """``[b, s]`` position ids that restart at 0 after every EOD (Megatron-LM
+    ``--reset-position-ids``); the EOD itself keeps the position of its document."""
+    seq_len = tokens.shape[1]
+    arange = torch.arange(seq_len, device=tokens.device).expand_as(tokens)
+    starts = _document_starts(tokens, eod_id)
+    document_start = torch.cummax(torch.where(starts, arange, torch.zeros_like(arange)), dim=1)
+    return arange - document_start.values
+
+
+def shard_for_sp_rank(batch: Dict, sp_rank: int, sp_size: int) -> Dict:
+    """Keep columns ``[r*s/P, (r+1)*s/P)`` of every ``[b, s]`` entry -> ``[b, s/P]``.
+
+    Other entries (``cu_seqlens``, ``max_seqlen``) are global and returned unchanged. Slices are
+    made contiguous so a later host-to-device copy moves only this rank's share.
+    """
+    seq_len = batch["tokens"].shape[1]
+    if not 0 <= sp_rank < sp_size:
+        raise ValueError(f"SP rank {sp_rank} is outside [0, --ulysses-sp-size {sp_size})")
+    if seq_len % sp_size != 0:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by --ulysses-sp-size {sp_size}; choose a "
+            f"--seq-length that is a multiple of {sp_size} (or pad the batch first)"
+        )
+    local = seq_len // sp_size
+    columns = slice(sp_rank * local, (sp_rank + 1) * local)
+    return {
+        key: value[:, columns].contiguous() if key in SEQUENCE_KEYS else value
+        for key, value in batch.items()
+    }
+
+
+# get_batch_for_sp_rank's flag arguments share the Megatron-LM names and shadow the function.
+_reset_position_ids = reset_position_ids
+
+
+def get_batch_for_sp_rank(
+    sample_batch: Dict[str, torch.Tensor],
+    sp_rank: int,
+    sp_size: int,
+    pad_id: int,
+    eod_id: int,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+) -> Dict:
+    """One SP rank's share of a collated ``GPTDataset`` batch, computed on CPU.
+
+    Applies ``--eod-mask-loss`` and ``--reset-position-ids`` on the full sequence, pads ``s`` to
+    a multiple of ``P``, computes ``cu_seqlens``/``max_seqlen`` over the padded ``[b*s']``
+    sequence when ``reset_attention_mask`` (padding is its own final segment per sample), then
+    shards.
+
+    Args:
+        sample_batch: ``tokens labels loss_mask position_ids``, each ``[b, s]``.
+    Returns:
+        ``tokens labels loss_mask position_ids`` ``[b, s'/P]`` and, when
+        ``reset_attention_mask``, ``cu_seqlens`` (int32) and ``max_seqlen`` (int).
+    """
+    tokens = sample_batch["tokens"]
+    loss_mask = sample_batch["loss_mask"].clone()
+    if eod_mask_loss:
+        loss_mask[tokens == eod_id] = 0
+    position_ids = (
+        _reset_position_ids(tokens, eod_id) if reset_position_ids else sample_batch["position_ids"]
+    )
+    batch = {
+        "tokens": tokens,
+        "labels": sample_batch["labels"],
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+    }
+    batch = pad_to_multiple(batch, sp_size, pad_id)
+    if reset_attention_mask:
+        batch["cu_seqlens"], batch["max_seqlen"] = document_boundaries(
+            batch["tokens"], eod_id, valid_length=tokens.shape[1]
+        )
+    return shard_for_sp_rank(batch, sp_rank, sp_size)

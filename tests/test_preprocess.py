@@ -1,0 +1,165 @@
+"""tools/preprocess_data.py, merge_datasets.py and inspect_dataset.py against megatron-core's
+``IndexedDataset`` reader."""
+
+import gzip
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import sentencepiece
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+import inspect_dataset  # noqa: E402
+import merge_datasets  # noqa: E402
+import preprocess_data  # noqa: E402
+from test_tokenizers import sp_model  # noqa: E402,F401  (session fixture)
+
+TEXTS = [
+    "The river does not hurry, yet it reaches the sea.",
+    "A clock is a patient machine made of many small parts.",
+    "Bread needs flour, water, salt and time.\n\nThe baker starts work early.",
+    "Bees carry pollen from one flower to the next.",
+]
+
+
+def write_jsonl(path: Path, texts) -> Path:
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    return path
+
+
+def preprocess(input_path: Path, prefix: Path, sp_model: str, *extra: str) -> int:
+    return preprocess_data.main([
+        "--input", str(input_path), "--output-prefix", str(prefix),
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, *extra,
+    ])
+
+
+def read_documents(prefix: str) -> list:
+    dataset = IndexedDataset(prefix)
+    return [dataset[i].tolist() for i in range(len(dataset))]
+
+
+@pytest.mark.parametrize("append_eod", [True, False])
+def test_round_trip_gives_sentencepiece_ids(tmp_path, sp_model, append_eod):
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    flags = ["--append-eod"] if append_eod else []
+    assert preprocess(source, tmp_path / "out", sp_model, *flags) == 0
+    processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    eod = [processor.eos_id()] if append_eod else []
+    expected = [processor.encode_as_ids(text) + eod for text in TEXTS]
+    assert read_documents(str(tmp_path / "out_text_document")) == expected
+    assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_bad_lines_are_reported_with_line_numbers(tmp_path, sp_model, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_bytes(
+        b'{"text": "A good first line."}\n'  # 1
+        b'{"text": "broken json\n'  # 2
+        b'{"body": "no text key"}\n'  # 3
+        b'{"text": "bad byte \xff here"}\n'  # 4
+        b'{"text": "   "}\n'  # 5
+        b"\n"  # 6
+        b'{"text": 7}\n'  # 7
+        b'{"text": "A good last line."}\n'  # 8
+    )
+    assert preprocess(source, tmp_path / "out", sp_model) == 0
+    err = capsys.readouterr().err
+    for line_no, reason in [
+        (2, "invalid JSON"), (3, "missing key 'text'"), (4, "not valid UTF-8"),
+        (5, "empty text in key 'text'"), (6, "empty line"),
+        (7, "key 'text' is not a string (got int)"),
+    ]:
+        assert f"bad.jsonl:{line_no}: skipped line {line_no}: {reason}" in err
+        assert f"line {line_no}: {reason}" in err.split("skipped lines:")[1]
+    assert "done: 2 documents" in err and "6 skipped lines" in err
+    assert len(read_documents(str(tmp_path / "out_text_document"))) == 2
+
+
+def test_only_bad_lines_fails_without_output(tmp_path, sp_model, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_text("not json\n", encoding="utf-8")
+    assert preprocess(source, tmp_path / "out", sp_model) == 1
+    assert "no usable documents in --input" in capsys.readouterr().err
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_gzip_input_matches_plain(tmp_path, sp_model):
+    plain = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    packed = tmp_path / "docs.jsonl.gz"
+    packed.write_bytes(gzip.compress(plain.read_bytes()))
+    assert preprocess(plain, tmp_path / "plain", sp_model, "--append-eod") == 0
+    assert preprocess(packed, tmp_path / "packed", sp_model, "--append-eod") == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"plain_text_document{suffix}").read_bytes() == (
+            tmp_path / f"packed_text_document{suffix}"
+        ).read_bytes()
+
+
+def test_two_workers_write_identical_files(tmp_path, sp_model):
+    texts = [f"Document {i}: " + TEXTS[i % len(TEXTS)] * (1 + i % 3) for i in range(60)]
+    source = write_jsonl(tmp_path / "docs.jsonl", texts)
+    assert preprocess(source, tmp_path / "w1", sp_model, "--append-eod", "--workers", "1") == 0
+    assert preprocess(
+        source, tmp_path / "w2", sp_model, "--append-eod", "--workers", "2", "--chunk-size", "7"
+    ) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"w1_text_document{suffix}").read_bytes() == (
+            tmp_path / f"w2_text_document{suffix}"
+        ).read_bytes()
+
+
+def test_split_sentences_is_refused(tmp_path, sp_model, capsys):
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    with pytest.raises(SystemExit):
+        preprocess(source, tmp_path / "out", sp_model, "--split-sentences")
+    assert "--split-sentences/--keep-newlines are not supported" in capsys.readouterr().err
+
+
+def test_command_line_from_repo_root(tmp_path, sp_model):
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    result = subprocess.run(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(source),
+         "--output-prefix", str(tmp_path / "cli"), "--tokenizer-type",
+         "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--log-interval", "2"],
+        cwd=REPO_ROOT, capture_output=True, text=True, check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "processed 2 documents" in result.stderr
+    assert len(read_documents(str(tmp_path / "cli_text_document"))) == len(TEXTS)
+
+
+def test_merge_concatenates_documents(tmp_path, sp_model):
+    first = write_jsonl(tmp_path / "a.jsonl", TEXTS[:2])
+    second = write_jsonl(tmp_path / "b.jsonl", TEXTS[2:])
+    assert preprocess(first, tmp_path / "a", sp_model, "--append-eod") == 0
+    assert preprocess(second, tmp_path / "b", sp_model, "--append-eod") == 0
+    assert merge_datasets.main([
+        "--input", str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document"),
+        "--output-prefix", str(tmp_path / "merged"),
+    ]) == 0
+    assert read_documents(str(tmp_path / "merged")) == (
+        read_documents(str(tmp_path / "a_text_document"))
+        + read_documents(str(tmp_path / "b_text_document"))
+    )
+
+
+def test_inspect_prints_stats_and_decodes(tmp_path, sp_model, capsys):
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    assert preprocess(source, tmp_path / "out", sp_model) == 0
+    capsys.readouterr()
+    assert inspect_dataset.main([
+        "--data-prefix", str(tmp_path / "out_text_document"), "--sample", "1",
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+    ]) == 0
+    out = capsys.readouterr().out
+    lengths = [len(doc) for doc in read_documents(str(tmp_path / "out_text_document"))]
+    assert f"documents: {len(TEXTS)}" in out
+    assert f"tokens:    {sum(lengths)}" in out
+    assert f"max {max(lengths)}" in out
+    assert f"text: {TEXTS[1]}" in out

@@ -1,0 +1,65 @@
+"""Summarise a megatron-core ``IndexedDataset`` and optionally decode one of its documents."""
+
+import argparse
+import sys
+from pathlib import Path
+from typing import List, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--data-prefix", required=True, help="path without .bin/.idx")
+    parser.add_argument("--sample", type=int, default=None, help="document index to print")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                        help="decode --sample with this tokenizer (else print ids)")
+    parser.add_argument("--tokenizer-model", default=None)
+    parser.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    if not IndexedDataset.exists(args.data_prefix):
+        raise SystemExit(f"--data-prefix {args.data_prefix!r} has no .bin/.idx files")
+    dataset = IndexedDataset(args.data_prefix)
+    # Documents may span several sequences (sentence-split data), so sum per document.
+    doc_bounds = dataset.document_indices
+    cumulative = numpy.concatenate([[0], numpy.cumsum(dataset.sequence_lengths, dtype=numpy.int64)])
+    doc_lengths = cumulative[doc_bounds[1:]] - cumulative[doc_bounds[:-1]]
+    num_docs = len(doc_lengths)
+    print(f"prefix:    {args.data_prefix}")
+    print(f"dtype:     {dataset.index.dtype.__name__}")
+    print(f"documents: {num_docs}")
+    print(f"sequences: {len(dataset)}")
+    print(f"tokens:    {int(doc_lengths.sum())}")
+    if num_docs:
+        print(
+            "doc length: min {} / mean {:.1f} / median {:.0f} / p95 {:.0f} / max {}".format(
+                int(doc_lengths.min()), float(doc_lengths.mean()), float(numpy.median(doc_lengths)),
+                float(numpy.percentile(doc_lengths, 95)), int(doc_lengths.max()),
+            )
+        )
+    if args.sample is None:
+        return 0
+    if not 0 <= args.sample < num_docs:
+        raise SystemExit(f"--sample {args.sample} is outside [0, {num_docs})")
+    ids = numpy.concatenate(
+        [dataset[i] for i in range(doc_bounds[args.sample], doc_bounds[args.sample + 1])]
+    ).tolist()
+    print(f"document {args.sample}: {len(ids)} tokens")
+    print(f"ids: {ids}")
+    if args.tokenizer_type is not None:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        print(f"text: {tokenizer.detokenize(ids)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
