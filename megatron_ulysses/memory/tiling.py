@@ -1,0 +1,95 @@
+"""Sequence-tiled recompute: run a token-wise function over sequence tiles.
+
+Glossary: ``s`` sequence, ``b`` micro batch, ``h`` hidden.
+
+Forward runs ``fn`` tile by tile under ``torch.no_grad()`` and keeps only the
+input ``x`` ``[s, ...]``; backward recomputes each tile with grad enabled and
+calls ``torch.autograd.backward`` on it. Parameter grads therefore accumulate
+through ordinary autograd (``AccumulateGrad``), so megatron-core DDP's grad
+hooks and ``main_grad`` handling run unchanged, once per tile. Only one tile's
+intermediates (e.g. ``[s/n, b, ffn]`` or ``[s/n, b, V]``) ever exist at a time.
+
+DDP with ``overlap_grad_reduce`` learns each parameter's hook count per step
+from the first batch, so the tile count must stay the same across steps
+(true for a fixed sequence length, "auto" included).
+"""
+
+from typing import Callable, Iterable, List
+
+import torch
+
+TileFn = Callable[[torch.Tensor, slice], torch.Tensor]
+
+
+def tile_slices(seq_len: int, num_tiles: int) -> List[slice]:
+    """Split ``range(seq_len)`` into ``min(num_tiles, seq_len)`` near-equal slices."""
+    num_tiles = max(1, min(num_tiles, seq_len))
+    base, extra = divmod(seq_len, num_tiles)
+    slices, start = [], 0
+    for i in range(num_tiles):
+        stop = start + base + (1 if i < extra else 0)
+        slices.append(slice(start, stop))
+        start = stop
+    return slices
+
+
+class _SequenceTiledRecompute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, slices, out_dim, x, grad_anchor):
+        # `grad_anchor` only makes autograd call backward when parameters need
+        # grads but `x` does not. Parameters are deliberately not inputs here:
+        # returning None for them would still run their AccumulateGrad node and
+        # fire DDP's grad hook one extra time, with `param.grad` unset.
+        del grad_anchor
+        ctx.fn, ctx.slices, ctx.out_dim = fn, slices, out_dim
+        ctx.save_for_backward(x)
+        out = None
+        with torch.no_grad():
+            for tile in slices:
+                y = fn(x[tile], tile)
+                if out is None:
+                    # Preallocate instead of torch.cat so tile outputs and the
+                    # full output never coexist.
+                    shape = list(y.shape)
+                    shape[out_dim] = x.shape[0]
+                    out = y.new_empty(shape)
+                out.narrow(out_dim, tile.start, tile.stop - tile.start).copy_(y)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
+        for tile in ctx.slices:
+            x_tile = x[tile].detach().requires_grad_(grad_x is not None)
+            with torch.enable_grad():
+                y = ctx.fn(x_tile, tile)
+            grad_y = grad_out.narrow(ctx.out_dim, tile.start, tile.stop - tile.start)
+            torch.autograd.backward(y, grad_y)
+            if grad_x is not None:
+                grad_x[tile] = x_tile.grad
+        return None, None, None, grad_x, None
+
+
+def sequence_tiled_recompute(
+    fn: TileFn,
+    x: torch.Tensor,
+    num_tiles: int,
+    params: Iterable[torch.Tensor],
+    out_dim: int = 0,
+) -> torch.Tensor:
+    """Apply ``fn`` to sequence tiles of ``x`` ``[s, ...]``, recomputing in backward.
+
+    ``fn(x_tile, tile)`` gets ``x[tile]`` and the ``slice`` (to cut matching
+    side inputs such as labels) and returns that tile's output; outputs are
+    joined along ``out_dim`` (0 for ``[s, b, h]``, 1 for ``[b, s]``). ``fn``
+    must be token-wise and deterministic (no dropout): it runs again in
+    backward. ``params`` are the leaf tensors ``fn`` closes over (module
+    parameters); they must be leaves, since each tile backprops into them.
+    """
+    if num_tiles < 1:
+        raise ValueError(f"num_tiles must be >= 1, got {num_tiles}")
+    slices = tile_slices(x.shape[0], num_tiles)
+    needs_anchor = not x.requires_grad and any(p.requires_grad for p in params)
+    grad_anchor = torch.empty(0, device=x.device, requires_grad=needs_anchor)
+    return _SequenceTiledRecompute.apply(fn, slices, out_dim, x, grad_anchor)

@@ -1,0 +1,325 @@
+"""ALST memory features against their plain megatron-core counterparts (fp32, CPU).
+
+TiledMLP vs MLP, tiled loss vs GPTModel's untiled loss, activation offload vs none:
+outputs and every gradient must match; tiling / offloading must really happen.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_ulysses.memory.activation_offload import (
+    OffloadStats,
+    enable_activation_offload,
+    offload_saved_activations,
+)
+from megatron_ulysses.memory.tiled_loss import TiledLossGPTModelMixin, tiled_cross_entropy
+from megatron_ulysses.memory.tiled_mlp import TiledMLP, resolve_mlp_tiles, tiled_mlp_layer_spec
+from megatron_ulysses.training import cpu_compat
+
+S, B, H, V = 20, 2, 16, 64
+
+
+class TiledLossGPTModel(TiledLossGPTModelMixin, GPTModel):
+    pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_cpu():
+    cpu_compat.install()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _config(swiglu=False, **overrides):
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=H,
+        num_attention_heads=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
+    if swiglu:
+        kwargs.update(gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _gpt(config, model_cls=GPTModel, layer_spec=None, **kwargs):
+    cpu_compat.model_parallel_manual_seed(1234)
+    return model_cls(
+        config,
+        layer_spec or get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=V,
+        max_sequence_length=S,
+        position_embedding_type="learned_absolute",
+        **kwargs,
+    )
+
+
+def _batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    labels = torch.randint(0, V, (B, S), generator=gen)
+    positions = torch.arange(S).expand(B, S)
+    # Explicit causal mask (True = masked): megatron's default one is built on CUDA.
+    mask = torch.ones(S, S, dtype=torch.bool).triu(1)[None, None]
+    return ids, positions, mask, labels
+
+
+def _loss_and_grads(model, batch, weights):
+    ids, positions, mask, labels = batch
+    model.zero_grad(set_to_none=True)
+    loss = model(ids, positions, mask, labels=labels)
+    (loss * weights).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def _assert_same_loss_and_grads(ref, got, exact=False):
+    tol = dict(rtol=0, atol=0) if exact else {}
+    torch.testing.assert_close(got[0], ref[0], **tol)
+    assert got[1].keys() == ref[1].keys() and len(ref[1]) > 0
+    for name in ref[1]:
+        torch.testing.assert_close(got[1][name], ref[1][name], **tol, msg=name)
+
+
+def _loss_weights():
+    return torch.rand(B, S, generator=torch.Generator().manual_seed(7))
+
+
+# ---------------------------------------------------------------- TiledMLP
+
+
+def _mlp_pair(config, num_shards):
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    torch.manual_seed(0)
+    plain = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
+    tiled = TiledMLP(config, submodules, num_shards=num_shards,
+                     ffn_hidden_size=config.ffn_hidden_size)
+    tiled.load_state_dict(plain.state_dict())
+    return plain, tiled
+
+
+def _mlp_run(mlp, x, grad_out):
+    mlp.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_(True)
+    out, bias = mlp(x)
+    (out * grad_out).sum().backward()
+    if bias is not None:
+        (bias * grad_out.sum((0, 1))).sum().backward()
+    return out, bias, x.grad, {n: p.grad for n, p in mlp.named_parameters()}
+
+
+@pytest.mark.parametrize("swiglu", [True, False], ids=["swiglu", "gelu_bias"])
+@pytest.mark.parametrize("num_shards", [1, 3, "auto", 0])
+def test_tiled_mlp_matches_mlp(swiglu, num_shards):
+    config = _config(swiglu)
+    plain, tiled = _mlp_pair(config, num_shards)
+    gen = torch.Generator().manual_seed(1)
+    x, grad_out = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
+
+    fc1_rows = []
+    tiled.linear_fc1.register_forward_hook(lambda m, args, out: fc1_rows.append(args[0].shape[0]))
+    ref, got = _mlp_run(plain, x, grad_out), _mlp_run(tiled, x, grad_out)
+
+    torch.testing.assert_close(got[0], ref[0])
+    if swiglu:
+        assert ref[1] is None and got[1] is None
+    else:
+        assert got[1] is tiled.linear_fc2.bias
+        torch.testing.assert_close(got[1], ref[1])
+    torch.testing.assert_close(got[2], ref[2])
+    assert got[3].keys() == ref[3].keys()
+    for name in ref[3]:
+        torch.testing.assert_close(got[3][name], ref[3][name], msg=name)
+    # Forward then backward each visit every tile once; S = 20 is not a multiple of 3.
+    expected_rows = {1: [20], 3: [7, 7, 6], "auto": [10, 10], 0: [10, 10]}[num_shards]
+    assert sorted(fc1_rows) == sorted(expected_rows * 2)  # auto: ceil(20 / 16) = 2 tiles
+
+
+def test_tiled_mlp_accumulates_param_grads_through_autograd_per_tile():
+    # DDP's grad hooks sit on the same AccumulateGrad path; they must fire once per tile.
+    _, tiled = _mlp_pair(_config(), 3)
+    calls = {n: 0 for n, _ in tiled.named_parameters()}
+
+    def counter(name):
+        return lambda _: calls.update({name: calls[name] + 1})
+
+    for name, p in tiled.named_parameters():
+        p.register_post_accumulate_grad_hook(counter(name))
+    x = torch.randn(S, B, H, requires_grad=True)
+    tiled(x)[0].sum().backward()
+    # fc2.bias is returned whole (not through the tiles) and unused here.
+    assert calls == {n: (0 if n == "linear_fc2.bias" else 3) for n in calls}
+
+
+def test_tiled_mlp_param_grads_flow_without_input_grad():
+    plain, tiled = _mlp_pair(_config(swiglu=True), 3)
+    x = torch.randn(S, B, H)  # e.g. frozen embeddings: only parameters need grads
+    plain(x)[0].square().sum().backward()
+    tiled(x)[0].square().sum().backward()
+    for (name, p), q in zip(plain.named_parameters(), tiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+def test_tiled_mlp_shard_rule_and_errors():
+    assert resolve_mlp_tiles("auto", 32768, 4096) == 8
+    assert resolve_mlp_tiles(0, 32769, 4096) == 9
+    assert resolve_mlp_tiles(5, 3, 4096) == 5  # clamped to s at tiling time
+    for bad in (-1, 1.5, "many", True):
+        with pytest.raises(ValueError, match="--tiled-mlp-shards"):
+            resolve_mlp_tiles(bad, 10, 10)
+    _, tiled = _mlp_pair(_config(), 2)
+    with pytest.raises(ValueError, match="--tiled-mlp-shards"):
+        tiled(torch.randn(S, B, H), per_token_scale=torch.ones(S * B))
+
+
+@pytest.mark.parametrize("swiglu", [True, False], ids=["swiglu", "gelu_bias"])
+def test_tiled_mlp_layer_spec_in_gpt_model(swiglu):
+    config = _config(swiglu)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    plain = _gpt(config, layer_spec=spec)
+    tiled = _gpt(config, layer_spec=tiled_mlp_layer_spec(spec, 3))
+    assert all(isinstance(layer.mlp, TiledMLP) for layer in tiled.decoder.layers)
+    assert all(type(layer.mlp) is MLP for layer in plain.decoder.layers)
+    batch, weights = _batch(), _loss_weights()
+    _assert_same_loss_and_grads(
+        _loss_and_grads(plain, batch, weights), _loss_and_grads(tiled, batch, weights)
+    )
+
+
+# ---------------------------------------------------------------- tiled loss
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_loss_gpt_model_matches_untiled(tied):
+    config = _config()
+    plain = _gpt(config, share_embeddings_and_output_weights=tied)
+    tiled = _gpt(config, TiledLossGPTModel, share_embeddings_and_output_weights=tied,
+                 tiled_loss_shards=3)
+    logit_rows = []
+    tiled.output_layer.register_forward_hook(
+        lambda m, args, out: logit_rows.append(out[0].shape[0])
+    )
+    batch, weights = _batch(), _loss_weights()
+    ref, got = _loss_and_grads(plain, batch, weights), _loss_and_grads(tiled, batch, weights)
+    _assert_same_loss_and_grads(ref, got)
+    assert got[0].shape == (B, S) and got[0].dtype == torch.float32
+    assert "embedding.word_embeddings.weight" in got[1]
+    assert ("output_layer.weight" in got[1]) == (not tied)
+    # Logits only ever exist per tile: [7|7|6, b, V] in forward, again in backward.
+    assert sorted(logit_rows) == [6, 6, 7, 7, 7, 7]
+
+
+def test_tiled_loss_model_without_labels_returns_logits():
+    plain = _gpt(_config())
+    tiled = _gpt(_config(), TiledLossGPTModel, tiled_loss_shards="auto")
+    ids, positions, mask, _ = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(tiled(ids, positions, mask), plain(ids, positions, mask))
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_tiled_cross_entropy_matches_compute_language_model_loss(tied):
+    model = _gpt(_config(), share_embeddings_and_output_weights=tied)
+    weight = model.shared_embedding_or_output_weight() if tied else None
+    gen = torch.Generator().manual_seed(3)
+    hidden = torch.randn(S, B, H, generator=gen)
+    labels = _batch()[3]
+    grad_loss = torch.rand(B, S, generator=gen)
+    trained = weight if tied else model.output_layer.weight
+
+    def run(loss_fn):
+        trained.grad = None
+        h = hidden.clone().requires_grad_(True)
+        loss = loss_fn(h)
+        (loss * grad_loss).sum().backward()
+        return loss, h.grad, trained.grad.clone()
+
+    ref = run(lambda h: model.compute_language_model_loss(
+        labels, model.output_layer(h, weight=weight)[0]))
+    for n in (1, 4, 20, 50):
+        got = run(lambda h: tiled_cross_entropy(h, model.output_layer, weight, labels, n))
+        for r, g in zip(ref, got):
+            torch.testing.assert_close(g, r)
+
+
+def test_tiled_loss_rejects_bad_shards():
+    with pytest.raises(ValueError, match="--tiled-loss-shards"):
+        _gpt(_config(), TiledLossGPTModel, tiled_loss_shards=-2)
+
+
+# ---------------------------------------------------------------- activation offload
+
+
+def _recompute_config():
+    return _config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def test_offload_matches_full_recompute_and_moves_layer_inputs():
+    config = _recompute_config()
+    batch, weights = _batch(), _loss_weights()
+    ref = _loss_and_grads(_gpt(config), batch, weights)
+
+    model = _gpt(config)
+    stats = OffloadStats()
+    hidden_bytes = S * B * H * 4
+    handles = enable_activation_offload(model.decoder, min_bytes=hidden_bytes, stats=stats)
+    got = _loss_and_grads(model, batch, weights)
+    _assert_same_loss_and_grads(ref, got, exact=True)
+    # Each layer's checkpointed input plus the final norm's input, all [s, b, h]; the
+    # causal mask (400 B) and the weights stayed put.
+    assert stats.offloaded_tensors == config.num_layers + 1
+    assert stats.offloaded_bytes == stats.offloaded_tensors * hidden_bytes
+    assert stats.restored_tensors == stats.offloaded_tensors
+
+    for handle in handles:
+        handle.remove()
+    _loss_and_grads(model, batch, weights)
+    assert stats.offloaded_tensors == config.num_layers + 1  # hooks really removed
+
+
+def test_offload_skips_small_tensors_and_parameters_and_dedups():
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(64, 64, generator=gen))  # 16 KiB
+    x = torch.randn(64, 64, generator=gen, requires_grad=True)  # 16 KiB
+    small = torch.randn(64, generator=gen, requires_grad=True)  # 256 B
+
+    def run(context):
+        x.grad = weight.grad = small.grad = None
+        with context:
+            y = F.linear(x * x, weight) * small
+        y.square().sum().backward()
+        return x.grad, weight.grad, small.grad
+
+    ref = run(torch.enable_grad())
+    stats = OffloadStats()
+    got = run(offload_saved_activations(min_bytes=64 * 64 * 4, stats=stats))
+    for r, g in zip(ref, got):
+        torch.testing.assert_close(g, r, rtol=0, atol=0)
+    # Packed: x (saved twice by x * x, copied once), x * x, the linear output.
+    # Kept: `weight` (a parameter) and `small` (under min_bytes).
+    assert (stats.offloaded_tensors, stats.offloaded_bytes) == (3, 3 * 64 * 64 * 4)
+    assert stats.restored_tensors == 4
+
+
+def test_offload_requires_full_recompute():
+    with pytest.raises(ValueError, match="--offload-activations"):
+        enable_activation_offload(_gpt(_config()).decoder)
