@@ -13,6 +13,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from .attention import UlyssesAttention
 from .backends import resolve_backend
+from .memory.tiled_loss import TiledLossGPTModelMixin
+from .memory.tiled_mlp import tiled_mlp_layer_spec
 from .rope import ShardedRotaryEmbedding
 
 
@@ -36,9 +38,10 @@ def get_gpt_layer_ulysses_spec(
     return spec
 
 
-class UlyssesGPTModel(GPTModel):
+class UlyssesGPTModel(TiledLossGPTModelMixin, GPTModel):
     """megatron-core's GPTModel for sequence-sharded input `[b, s/P]`; RoPE uses global
-    positions. Learned absolute embeddings take global `position_ids` from the data loader."""
+    positions. Learned absolute embeddings take global `position_ids` from the data loader.
+    `tiled_loss_shards` (None = off) computes logits + loss over sequence tiles."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -47,11 +50,15 @@ class UlyssesGPTModel(GPTModel):
 
 
 def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: str = "auto",
-                    pre_process: bool = True, post_process: bool = True, **gpt_kwargs):
-    """A `UlyssesGPTModel` with the Ulysses layer spec for `backend`."""
+                    pre_process: bool = True, post_process: bool = True,
+                    tiled_mlp_shards=None, **gpt_kwargs):
+    """A `UlyssesGPTModel` with the Ulysses layer spec for `backend`; `tiled_mlp_shards`
+    (None = off) runs the MLP over sequence tiles, other kwargs go to `GPTModel`."""
     spec = get_gpt_layer_ulysses_spec(
         backend, normalization=config.normalization, qk_layernorm=config.qk_layernorm
     )
+    if tiled_mlp_shards is not None:
+        spec = tiled_mlp_layer_spec(spec, tiled_mlp_shards)
     return UlyssesGPTModel(
         config=config,
         transformer_layer_spec=spec,
