@@ -1,0 +1,123 @@
+"""The optimizer: megatron-core's (`get_megatron_optimizer`: fp32, bf16/fp16 mixed precision, the
+distributed optimizer sharded over DP x SP) on GPU; on CPU, where megatron-core's optimizers
+allocate CUDA tensors, `CpuAdamW` with the same interface and math (AdamW over DDP's `main_grad`,
+no weight decay on biases and norms, global-norm clipping over TP x PP, the same sharded
+checkpoint layout)."""
+
+import math
+from itertools import chain
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.optimizer import (
+    get_param_id_to_sharded_param_map,
+    optim_state_to_sharding_state,
+)
+from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+from megatron.core.transformer.module import param_is_not_shared
+
+
+def _param_groups(model):
+    """megatron-core's default grouping: no weight decay on biases and 1-D (norm) params."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
+    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+class CpuAdamW:
+    """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
+
+    def __init__(self, model, args):
+        self.optimizer = torch.optim.AdamW(
+            _param_groups(model), lr=args.lr, weight_decay=args.weight_decay,
+            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+        )
+        self.clip_grad = args.clip_grad
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def get_parameters(self):
+        return list(chain.from_iterable(g["params"] for g in self.optimizer.param_groups))
+
+    def get_loss_scale(self) -> torch.Tensor:
+        return torch.tensor(1.0)
+
+    def zero_grad(self) -> None:
+        for param in self.get_parameters():
+            param.grad = None
+
+    def grad_norm(self) -> float:
+        """L2 norm of all gradients, each counted once over TP x PP."""
+        squares = torch.zeros(1, dtype=torch.float64)
+        for param in self.get_parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                squares += param.main_grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
+        return math.sqrt(squares.item())
+
+    @torch.no_grad()
+    def step(self):
+        for param in self.get_parameters():
+            param.grad = param.main_grad.to(param.dtype)
+        norm = self.grad_norm()
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            coefficient = self.clip_grad / (norm + 1e-6)
+            for param in self.get_parameters():
+                param.grad.mul_(coefficient)
+        self.optimizer.step()
+        return True, norm, None
+
+    def _init_state(self) -> None:
+        for param in self.get_parameters():
+            state = self.optimizer.state[param]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        """Adam moments as ShardedTensors shaped like their params (any DP x SP layout can load
+        them); the step and hyper-parameters as common state."""
+        if is_loading:
+            self._init_state()
+        state_dict = self.optimizer.state_dict()
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict,
+                                                   self.get_parameters())
+        steps = {float(s["step"]) for s in state_dict["state"].values() if "step" in s}
+        assert len(steps) <= 1, f"parameters at different Adam steps: {steps}"
+        optim_state_to_sharding_state(state_dict, id_map, exclude_keys="step")
+        if steps:
+            state_dict["state"]["common_step"] = steps.pop()
+        return state_dict
+
+    def load_state_dict(self, state_dict) -> None:
+        step = state_dict["state"].pop("common_step", None)
+        if step is not None:
+            for param_state in state_dict["state"].values():
+                param_state["step"] = torch.tensor(float(step))
+        self.optimizer.load_state_dict(state_dict)
+
+
+def build_optimizer(args, model):
+    """megatron-core's optimizer on GPU, `CpuAdamW` on CPU."""
+    if not torch.cuda.is_available():
+        return CpuAdamW(model, args)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(config, [model])

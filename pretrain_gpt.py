@@ -1,0 +1,47 @@
+"""GPT pretraining with Ulysses sequence parallelism on megatron-core.
+
+    torchrun --nproc-per-node 8 pretrain_gpt.py --ulysses-sp-size 8 <Megatron-LM flags>
+
+`python pretrain_gpt.py --help` lists every flag. A bad configuration exits with status 2 and one
+message naming the flag, before any process group exists.
+"""
+
+import sys
+import warnings
+
+# megatron-core announces its fallbacks at import; without apex (and on CPU without TE) they are
+# expected; TransformerConfig warns about a default it sets itself, and torch's checkpoint
+# internals about APIs megatron-core's dist_checkpointing still uses.
+for message in (".*(Apex|Transformer Engine).* not installed.*", "full scope is deprecated",
+                "Please use DTensor instead", "`load_state_dict` is deprecated"):
+    warnings.filterwarnings("ignore", message=message)
+
+from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except ConfigError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        return 2
+    from megatron_ulysses import parallel_state as ps
+    from megatron_ulysses.training.loop import pretrain
+
+    try:
+        pretrain(args)
+    except (ValueError, FileNotFoundError) as error:  # configuration found wrong while building
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        return 2
+    finally:
+        if ps.is_initialized():
+            ps.destroy_model_parallel()
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
