@@ -1,36 +1,17 @@
 """megatron-core GPT datasets over a preprocessed corpus, and the data-parallel sampler."""
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import preprocess_data  # noqa: E402
-from test_tokenizers import CORPUS, sp_model  # noqa: E402,F401  (session fixture)
-
-from megatron_ulysses.data.datasets import (  # noqa: E402
+from megatron_ulysses.data.datasets import (
     PretrainingSampler,
     build_data_iterator,
     build_train_valid_test_datasets,
 )
-from megatron_ulysses.data.sharding import get_batch_for_sp_rank  # noqa: E402
-from megatron_ulysses.data.tokenizers import build_tokenizer, padding_id  # noqa: E402
+from megatron_ulysses.data.sharding import get_batch_for_sp_rank
+from megatron_ulysses.data.tokenizers import build_tokenizer, padding_id
 
 SEQ_LEN = 64
-
-
-@pytest.fixture(scope="module")
-def corpus_prefix(tmp_path_factory, sp_model) -> str:
-    prefix = tmp_path_factory.mktemp("data") / "corpus"
-    assert preprocess_data.main([
-        "--input", str(CORPUS), "--output-prefix", str(prefix), "--append-eod",
-        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
-    ]) == 0
-    return f"{prefix}_text_document"
 
 
 @pytest.fixture(scope="module")

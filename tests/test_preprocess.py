@@ -11,13 +11,10 @@ import pytest
 import sentencepiece
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import inspect_dataset  # noqa: E402
-import merge_datasets  # noqa: E402
-import preprocess_data  # noqa: E402
-from test_tokenizers import sp_model  # noqa: E402,F401  (session fixture)
+import inspect_dataset
+import merge_datasets
+import preprocess_data
+from conftest import REPO_ROOT
 
 TEXTS = [
     "The river does not hurry, yet it reaches the sea.",

@@ -1,47 +1,20 @@
-"""Tokenizers: Megatron-LM special-id semantics, errors naming flags, and the trainer tool.
+"""Tokenizers: Megatron-LM special-id semantics, errors naming flags, and the trainer tool."""
 
-Also home of the session-wide tiny sentencepiece model used by the data tests.
-"""
-
-import functools
 import sys
 from pathlib import Path
 
 import pytest
 import sentencepiece
+import train_tokenizer
+from conftest import CORPUS, TINY_VOCAB
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO_ROOT / "tools"))
-
-import train_tokenizer  # noqa: E402
-
-from megatron_ulysses.data.tokenizers import (  # noqa: E402
+from megatron_ulysses.data.tokenizers import (
     GPTSentencePieceTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
     padding_id,
 )
-
-CORPUS = REPO_ROOT / "examples" / "data" / "corpus.jsonl"
-TINY_VOCAB = 1000
-
-
-@functools.lru_cache(maxsize=None)
-def _train_tiny_model(directory: str) -> str:
-    # Cached so that modules importing the fixture below still train only once per session.
-    prefix = str(Path(directory) / "tiny_sp")
-    assert train_tokenizer.main(
-        ["--input", str(CORPUS), "--output-prefix", prefix, "--vocab-size", str(TINY_VOCAB)]
-    ) == 0
-    return prefix + ".model"
-
-
-@pytest.fixture(scope="session")
-def sp_model(tmp_path_factory) -> str:
-    """Path of a BPE sentencepiece model trained on the bundled corpus."""
-    return _train_tiny_model(str(tmp_path_factory.getbasetemp()))
-
 
 def test_gpt_sentencepiece_ids_follow_megatron(sp_model):
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)

@@ -1,0 +1,38 @@
+"""Session fixtures shared by the data, tool and CLI tests: a tiny sentencepiece model trained on
+the bundled corpus, and that corpus preprocessed into a megatron-core indexed dataset."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CORPUS = REPO_ROOT / "examples" / "data" / "corpus.jsonl"
+TINY_VOCAB = 1000
+sys.path.insert(0, str(REPO_ROOT / "tools"))
+
+
+@pytest.fixture(scope="session")
+def sp_model(tmp_path_factory) -> str:
+    """Path of a BPE sentencepiece model trained on the bundled corpus."""
+    import train_tokenizer
+
+    prefix = str(tmp_path_factory.mktemp("tokenizer") / "tiny_sp")
+    assert train_tokenizer.main(
+        ["--input", str(CORPUS), "--output-prefix", prefix, "--vocab-size", str(TINY_VOCAB)]
+    ) == 0
+    return prefix + ".model"
+
+
+@pytest.fixture(scope="session")
+def corpus_prefix(tmp_path_factory, sp_model) -> str:
+    """The bundled corpus as `.bin/.idx` (GPTSentencePieceTokenizer ids, eod appended)."""
+    import preprocess_data
+
+    prefix = str(tmp_path_factory.mktemp("corpus") / "corpus")
+    assert preprocess_data.main([
+        "--input", str(CORPUS), "--output-prefix", prefix, "--json-keys", "text",
+        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+        "--append-eod", "--workers", "1",
+    ]) == 0
+    return prefix + "_text_document"
