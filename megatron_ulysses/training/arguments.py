@@ -203,16 +203,17 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         _require(args.max_position_embeddings >= args.seq_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                  f"--seq-length ({args.seq_length}) with learned absolute positions")
-    try:
-        dims.validate_model(args.num_attention_heads, args.num_query_groups)
-    except ValueError as error:
-        raise ConfigError(str(error)) from None
     _require(args.num_layers % dims.pp == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({dims.pp})")
 
     if dims.tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split at TP = 1
+    try:  # the loader pads s to a multiple of P; TP's sequence parallelism needs s/P % TP == 0
+        dims.validate_model(args.num_attention_heads, args.num_query_groups,
+                            args.seq_length if args.sequence_parallel else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     args.data_parallel_size = dims.dp
     per_step = args.micro_batch_size * dims.dp
     if args.global_batch_size is None:

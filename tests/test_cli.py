@@ -1,0 +1,162 @@
+"""pretrain_gpt.py end to end, as a user runs it: torchrun, real preprocessed data, checkpoints.
+
+- SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
+  packed documents with reset attention).
+- A run stopped at iteration 4 and resumed equals the uninterrupted run; so does resuming the
+  same checkpoint at another SP size.
+- SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
+- Bad configurations fail with one message naming the flag, before any process group exists.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO_ROOT
+
+from megatron_ulysses.training.arguments import ConfigError, parse_args
+
+MODEL = [
+    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+    "--group-query-attention", "--num-query-groups", "2", "--seq-length", "64",
+    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+    "--disable-bias-linear", "--attention-dropout", "0", "--hidden-dropout", "0",
+]
+RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3",
+       "--lr-warmup-iters", "2", "--log-interval", "1", "--num-workers", "0"]
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \|")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
+
+
+def launch(nproc: int, *flags: str, **popen):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
+               *MODEL, *RUN, *flags]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, **popen)
+
+
+def losses(result) -> dict:
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    found = {int(i): float(v) for i, v in ITERATION.findall(result.stdout)}
+    lines = [line for line in result.stdout.splitlines() if ITERATION.search(line)]
+    assert len(lines) == len(found), "an iteration was logged by more than one rank"
+    return found
+
+
+def validation(result) -> dict:
+    return {int(i): float(v) for i, v in VALIDATION.findall(result.stdout)}
+
+
+@pytest.fixture(scope="module")
+def data_flags(corpus_prefix, sp_model, tmp_path_factory):
+    return ["--data-path", corpus_prefix, "--split", "90,10,0",
+            "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
+            "--data-cache-path", str(tmp_path_factory.mktemp("index_cache")),
+            "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
+
+
+def test_sp_and_dp_x_sp_match_sp1_every_iteration(data_flags):
+    flags = [*data_flags, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "2"]
+    reference = launch(1, *flags)
+    expected = losses(reference)
+    assert sorted(expected) == list(range(1, 11))
+    assert expected[10] < expected[1], "the loss did not fall"
+    for nproc, sp in ((2, 2), (4, 2)):
+        result = launch(nproc, *flags, "--ulysses-sp-size", str(sp))
+        assert f"Ulysses SP {sp}" in result.stdout
+        got = losses(result)
+        assert got.keys() == expected.keys()
+        for iteration, loss in expected.items():
+            assert got[iteration] == pytest.approx(loss, rel=2e-6), (nproc, sp, iteration)
+        assert validation(result) == pytest.approx(validation(reference), rel=2e-6)
+        assert len(validation(result)) == 2
+
+
+def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
+    flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "8", "--eval-iters", "0"]
+    full = losses(launch(2, *flags, "--ulysses-sp-size", "2"))
+
+    ckpt = tmp_path / "ckpt"
+    first = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--save", str(ckpt),
+                          "--exit-interval", "4"))
+    assert sorted(first) == [1, 2, 3, 4]
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+
+    resumed = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--load", str(ckpt)))
+    other_sp = losses(launch(1, *flags, "--load", str(ckpt)))
+    for run in (resumed, other_sp):
+        assert sorted(run) == [5, 6, 7, 8]
+        for iteration in run:
+            assert run[iteration] == pytest.approx(full[iteration], rel=2e-6)
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    command = [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--mock-data",
+               "--vocab-size", "256", "--train-iters", "100000", "--eval-iters", "0",
+               "--save", str(ckpt), "--exit-signal-handler"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 120
+    for line in process.stdout:
+        if ITERATION.search(line) and int(ITERATION.search(line).group(1)) >= 2:
+            process.send_signal(signal.SIGTERM)
+            break
+        assert time.time() < deadline, "no training progress"
+    output = process.communicate(timeout=120)[0]
+    assert process.returncode == 0, output[-3000:]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert saved >= 2 and (ckpt / f"iter_{saved:07d}").is_dir()
+    assert f"exiting at iteration {saved}" in output
+
+
+BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
+        "--vocab-size", "64"]
+
+
+@pytest.mark.parametrize("argv, world, message", [
+    (["--ulysses-sp-size", "3"], 4, "world size 4 is not divisible"),
+    (["--ulysses-sp-size", "16"], 16, "--num-attention-heads (8) must be divisible"),
+    (["--ulysses-sp-size", "4", "--tensor-model-parallel-size", "4"], 16,
+     "--tensor-model-parallel-size x --ulysses-sp-size (4 x 4 = 16)"),
+    (["--global-batch-size", "3"], 2, "--global-batch-size (3) must be a positive multiple"),
+    (["--bf16"], 1, "--bf16/--fp16 need CUDA"),
+    (["--offload-activations"], 1, "--offload-activations needs --recompute-granularity full"),
+    (["--exit-signal-handler"], 1, "--exit-signal-handler saves before exiting: it needs --save"),
+    (["--data-path", "x"], 1, "give --data-path or --mock-data, not both"),
+    (["--ulysses-sp-size", "0"], 1, "--ulysses-sp-size must be >= 1"),
+])
+def test_bad_configuration_names_the_flag(argv, world, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_args(BASE + argv, world_size=world)
+
+
+def test_kv_groups_that_do_not_divide_sp_are_refused():
+    argv = BASE + ["--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups",
+                   "3", "--ulysses-sp-size", "2"]
+    with pytest.raises(ConfigError, match=r"--num-query-groups \(3\) .* --ulysses-sp-size \(2\)"):
+        parse_args(argv, world_size=2)
+
+
+def test_unknown_flag_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + ["--ulysses-sp"], world_size=1)
+    assert exit_info.value.code == 2
+    assert "--ulysses-sp" in capsys.readouterr().err
+
+
+def test_cli_exits_nonzero_before_any_collective():
+    start = time.time()
+    result = launch(2, "--mock-data", "--vocab-size", "64", "--train-iters", "2",
+                    "--ulysses-sp-size", "16")
+    assert result.returncode != 0
+    assert "pretrain_gpt.py: error: world size 2 is not divisible" in result.stderr
+    assert "--ulysses-sp-size (16)" in result.stderr
+    assert time.time() - start < 120
