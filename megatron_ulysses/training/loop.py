@@ -26,6 +26,7 @@ from megatron.core.distributed import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from ..data.datasets import build_data_iterator, build_train_valid_test_datasets
@@ -98,7 +99,7 @@ def transformer_config(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        bias_activation_fusion=cuda and args.swiglu is False and not args.disable_bias_linear,
+        bias_activation_fusion=cuda and not args.disable_bias_linear,
         masked_softmax_fusion=False,
         bias_dropout_fusion=cuda,
         apply_rope_fusion=False,
@@ -107,7 +108,8 @@ def transformer_config(args) -> TransformerConfig:
 
 
 def build_model(args, config):
-    """The Ulysses GPTModel wrapped in megatron-core DDP (reducing over DP x SP)."""
+    """The Ulysses GPTModel (in `Float16Module` for bf16/fp16) wrapped in megatron-core DDP,
+    which reduces over DP x SP."""
     torch.manual_seed(args.seed)  # identical initial weights on every DP x SP rank
     model = build_gpt_model(
         config, args.padded_vocab_size, args.max_position_embeddings,
@@ -123,6 +125,8 @@ def build_model(args, config):
         model.cuda(torch.cuda.current_device())
     if args.offload_activations:
         enable_activation_offload(model.decoder)
+    if args.bf16 or args.fp16:  # half-precision weights, fp32 logits out (as Megatron-LM)
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=args.overlap_grad_reduce,
