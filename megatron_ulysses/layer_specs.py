@@ -10,12 +10,33 @@ import copy
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
 
 from .attention import UlyssesAttention
 from .backends import resolve_backend
 from .memory.tiled_loss import TiledLossGPTModelMixin
 from .memory.tiled_mlp import tiled_mlp_layer_spec
 from .rope import ShardedRotaryEmbedding
+
+
+class SequenceParallelTorchNorm:
+    """megatron-core's `WrappedTorchNorm` (torch LayerNorm / RMSNorm), also under
+    `--sequence-parallel`, which `WrappedTorchNorm` refuses only because it does not mark its
+    weights: a norm is per token, so a TP-sequence-sharded input needs nothing else, and
+    megatron-core's `finalize_model_grads` sums over TP the grads of params marked
+    `sequence_parallel` (as for `FusedLayerNorm` and `TENorm`)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        local_config = copy.copy(config)
+        local_config.sequence_parallel = False
+        norm = WrappedTorchNorm(local_config, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            setattr(param, "sequence_parallel", config.sequence_parallel)
+        return norm
 
 
 def get_gpt_layer_ulysses_spec(
@@ -32,6 +53,9 @@ def get_gpt_layer_ulysses_spec(
     else:
         spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     spec = copy.deepcopy(spec)
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name) is WrappedTorchNorm:
+            setattr(spec.submodules, name, SequenceParallelTorchNorm)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=UlyssesAttention, params={"backend": backend}
     )
@@ -59,6 +83,13 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: 
     )
     if tiled_mlp_shards is not None:
         spec = tiled_mlp_layer_spec(spec, tiled_mlp_shards)
+    if config.sequence_parallel and spec.submodules.input_layernorm is SequenceParallelTorchNorm:
+        # From a layer spec, megatron-core's block builds its final norm from its own default
+        # (TE, Apex or the SP-refusing WrappedTorchNorm); a block spec names it.
+        num_layers = get_num_layers_to_build(config, vp_stage=gpt_kwargs.get("vp_stage"))
+        spec = TransformerBlockSubmodules(
+            layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm
+        )
     return UlyssesGPTModel(
         config=config,
         transformer_layer_spec=spec,

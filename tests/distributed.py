@@ -5,9 +5,9 @@ destroys the group; an exception in any worker fails the test with that worker's
 Test cases are grouped into a few long-lived workers since a process costs seconds of imports.
 """
 
-import os
 import socket
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -19,7 +19,7 @@ def free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)  # several workers share few cores; OMP_NUM_THREADS is read too early
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size
     )
