@@ -1,0 +1,262 @@
+"""UlyssesAttention at SP=1 against the same local backend called directly, forward + backward.
+
+Both sides share one module: `attn` (UlyssesAttention over a size-1 SP group) and
+`attn.local_attention` (the backend it wraps), so the ratio is the wrapper's own cost. Each
+backend (TE, SDPA) runs at every length, rounds interleaved (wrapped, direct, wrapped, ...), and
+the median iteration of each side gives TFLOP/s; ratio = direct time / wrapped time (goal >= 0.99).
+
+It also times torch SDPA's ways of doing GQA on the same tensors: kv heads expanded before the
+call (what backends.SDPAAttention does), `enable_gqa=True`, and the expanded call pinned to one
+kernel (cuDNN, flash); and it checks TEAttention (sbhd and packed THD) against an fp32 reference
+before timing anything.
+
+FLOPs: causal attention forward = 2*b*s^2*H*d (half of q.k^T + p.v), backward = 2.5x forward
+(FlashAttention's convention: the backward recomputes q.k^T), so forward + backward = 3.5x.
+
+Command used (H200; environment in bench/RESULTS.md, "Setup"):
+    python3 bench/attention_overhead.py --rounds 2 --json $OUT/attention.json
+"""
+
+import argparse
+import math
+
+import torch
+import torch.nn.functional as F
+
+import harness
+
+
+def attention_flops(s, b, heads, d, backward=True):
+    fwd = 2.0 * b * s * s * heads * d
+    return fwd * 3.5 if backward else fwd
+
+
+def reference(q, k, v, doc_ids=None):
+    """fp32 causal attention on the whole sequence: q `[s, b, H, d]`, k, v `[s, b, G, d]`;
+    `doc_ids` `[b, s]` keeps attention inside documents."""
+    q, k, v = (t.float() for t in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / math.sqrt(q.shape[-1])
+    allowed = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool, device=q.device).tril()
+    allowed = allowed[None, None]
+    if doc_ids is not None:
+        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("bhst,tbhd->sbhd", probs, v)
+
+
+def rel_err(got, ref):
+    return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def check_te(config_fn, heads, groups, d, tol=2e-2):
+    """TEAttention (via UlyssesAttention at SP=1) vs fp32 reference: sbhd causal and packed THD
+    (global cu_seqlens over [b*s]); outputs and q/k/v grads. Returns {case: max rel err}."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    from megatron_ulysses.attention import UlyssesAttention
+
+    s, b = 2048, 2
+    attn = UlyssesAttention(config_fn(heads, groups, d), layer_number=1, backend="te").cuda()
+    lengths = [[700, 1000, 348], [1, 2000, 47]]  # per sample, each sums to s
+    bounds = [0]
+    for sample in lengths:
+        for n in sample:
+            bounds.append(bounds[-1] + n)
+    cu_seqlens = torch.tensor(bounds, dtype=torch.int32, device="cuda")
+    doc_ids = torch.repeat_interleave(
+        torch.arange(len(bounds) - 1, device="cuda"), torch.tensor(sum(lengths, []), device="cuda")
+    ).view(b, s)
+    results = {}
+    for case in ("sbhd", "thd"):
+        gen = torch.Generator(device="cuda").manual_seed(len(results))
+        q, k, v = (torch.randn(s, b, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   for n in (heads, groups, groups))
+        grad = torch.randn(s, b, heads * d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        packed = None
+        if case == "thd":
+            packed = PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=cu_seqlens,
+                                     cu_seqlens_kv=cu_seqlens, max_seqlen_q=2000,
+                                     max_seqlen_kv=2000)
+        ins = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attn(*ins, None, packed_seq_params=packed)
+        out.backward(grad)
+        refs = [t.clone().float().requires_grad_() for t in (q, k, v)]
+        expected = reference(*refs, doc_ids if case == "thd" else None)
+        expected.backward(grad.float().view(s, b, heads, d))
+        errs = [rel_err(out, expected.reshape(s, b, -1))]
+        errs += [rel_err(t.grad, r.grad) for t, r in zip(ins, refs)]
+        results[case] = max(errs)
+        status = "ok" if results[case] < tol and all(map(math.isfinite, errs)) else "FAIL"
+        print(f"check TEAttention {case}: rel err out/dq/dk/dv = "
+              + " ".join(f"{e:.2e}" for e in errs) + f"  [{status}]", flush=True)
+    return results
+
+
+def fwd_bwd(fn, q, k, v, grad):
+    def run():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).backward(grad)
+    return run
+
+
+def time_side_by_side(runs: dict, warmup: int, iters: int, rounds: int) -> dict:
+    """Median seconds per call of each `runs[name]()`, rounds interleaved across names."""
+    for run in runs.values():
+        for _ in range(warmup):
+            run()
+    times = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            times[name] += harness.time_calls(run, iters)
+    return {name: harness.median(t) for name, t in times.items()}
+
+
+def sdpa_gqa_variants(q, k, v, rep):
+    """Ways to run GQA through torch SDPA on `[s, b, H|G, d]` tensors, each -> `[s, b, H, d]`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def to_bhsd(t):
+        return t.permute(1, 2, 0, 3)
+
+    def expanded(q, k, v):
+        k, v = (t.repeat_interleave(rep, dim=2) for t in (k, v))
+        return F.scaled_dot_product_attention(*map(to_bhsd, (q, k, v)), is_causal=True)
+
+    def pinned(kernel):
+        def fn(q, k, v):
+            with sdpa_kernel(kernel):
+                return expanded(q, k, v)
+        return fn
+
+    def cudnn_first(q, k, v):
+        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                 SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(order, set_priority=True):
+            return expanded(q, k, v)
+
+    def gqa(q, k, v):
+        return F.scaled_dot_product_attention(*map(to_bhsd, (q, k, v)), is_causal=True,
+                                              enable_gqa=True)
+
+    variants = {
+        "sdpa expand kv (default dispatch)": expanded,
+        "sdpa enable_gqa=True (default dispatch)": gqa,
+        "sdpa expand kv, cuDNN pinned": pinned(SDPBackend.CUDNN_ATTENTION),
+        "sdpa expand kv, flash pinned": pinned(SDPBackend.FLASH_ATTENTION),
+        "sdpa expand kv, cuDNN first (set_priority)": cudnn_first,
+    }
+    return {name: (lambda fn: lambda q, k, v: fn(q, k, v).permute(2, 0, 1, 3))(fn)
+            for name, fn in variants.items()}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seqs", default="8192,32768", help="comma-separated sequence lengths")
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--backends", default="te,sdpa")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_overhead.py needs a GPU")
+
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_ulysses.attention import UlyssesAttention
+    from megatron_ulysses.backends import te_available
+
+    harness.init_distributed(sp=1)
+
+    def config_fn(heads, groups, d):
+        return TransformerConfig(
+            num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
+            num_query_groups=groups, kv_channels=d, attention_dropout=0.0, hidden_dropout=0.0,
+            bf16=True, params_dtype=torch.bfloat16,
+        )
+
+    results = {"versions": harness.versions(), "args": vars(args), "rows": [], "checks": {}}
+    backends = [b for b in args.backends.split(",") if b != "te" or te_available()]
+    if "te" in backends:
+        try:
+            results["checks"] = check_te(config_fn, args.heads, args.kv_heads, args.head_dim)
+        except Exception as exc:  # keep timing SDPA even if TE is broken
+            results["checks"] = {"error": harness.describe_failure(exc)}
+            print(f"check TEAttention: {results['checks']['error']}", flush=True)
+    heads, groups, d, b = args.heads, args.kv_heads, args.head_dim, 1
+    for s in map(int, args.seqs.split(",")):
+        flops = attention_flops(s, b, heads, d)
+        gen = torch.Generator(device="cuda").manual_seed(s)
+        q, k, v = (torch.randn(s, b, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+                   .requires_grad_() for n in (heads, groups, groups))
+        grad = torch.randn(s, b, heads * d, device="cuda", generator=gen, dtype=torch.bfloat16)
+        grad4 = grad.view(s, b, heads, d)
+        for backend in backends:
+            attn = UlyssesAttention(config_fn(heads, groups, d), 1, backend=backend).cuda()
+            runs = {
+                "wrapped": fwd_bwd(lambda q, k, v: attn(q, k, v, None), q, k, v, grad),
+                "direct": fwd_bwd(lambda q, k, v: attn.local_attention(q, k, v), q, k, v, grad4),
+            }
+            try:
+                t = time_side_by_side(runs, args.warmup, args.iters, args.rounds)
+            except Exception as exc:
+                print(f"s={s:6d} {backend}: {harness.describe_failure(exc)}", flush=True)
+                continue
+            row = {"s": s, "backend": backend, "wrapped_s": t["wrapped"], "direct_s": t["direct"],
+                   "wrapped_tflops": flops / t["wrapped"] / 1e12,
+                   "direct_tflops": flops / t["direct"] / 1e12,
+                   "ratio": t["direct"] / t["wrapped"]}
+            results["rows"].append(row)
+            print(f"s={s:6d} {backend:5s} UlyssesAttention {row['wrapped_tflops']:6.1f} TFLOP/s | "
+                  f"direct {row['direct_tflops']:6.1f} TFLOP/s | ratio {row['ratio']:.4f}",
+                  flush=True)
+            harness.write_json(args.json, results)
+        variants = sdpa_gqa_variants(q, k, v, heads // groups)
+        runs = {name: fwd_bwd(fn, q, k, v, grad4) for name, fn in variants.items()}
+        if te_available():
+            te = UlyssesAttention(config_fn(heads, groups, d), 1, backend="te").cuda()
+            runs["TE DotProductAttention (sbhd, GQA native)"] = fwd_bwd(
+                lambda q, k, v: te.local_attention(q, k, v), q, k, v, grad4)
+        t = {}
+        for name, run in runs.items():  # one at a time: a kernel may refuse the shape
+            try:
+                t.update(time_side_by_side({name: run}, args.warmup, args.iters, args.rounds))
+            except Exception as exc:
+                print(f"s={s:6d} {name}: not run ({str(exc).splitlines()[0][:120]})", flush=True)
+        for name, seconds in t.items():
+            row = {"s": s, "variant": name, "seconds": seconds,
+                   "tflops": flops / seconds / 1e12}
+            results.setdefault("gqa_rows", []).append(row)
+            print(f"s={s:6d} {name:45s} {row['tflops']:6.1f} TFLOP/s", flush=True)
+        try:
+            choice = torch._fused_sdp_choice(*(t.permute(1, 2, 0, 3) for t in (
+                q, k.repeat_interleave(heads // groups, 2), v.repeat_interleave(heads // groups, 2))),
+                is_causal=True)
+            print(f"s={s:6d} torch default SDPA choice for the expanded call: {choice}", flush=True)
+            results.setdefault("sdpa_default_choice", {})[s] = int(choice)
+        except Exception as exc:  # private API; informative only
+            print(f"(torch._fused_sdp_choice unavailable: {exc})")
+        harness.write_json(args.json, results)
+        del q, k, v, grad, grad4
+        harness.reset_memory()
+
+    print("\n| s | backend | UlyssesAttention TFLOP/s | direct TFLOP/s | ratio |")
+    print("|---|---|---|---|---|")
+    for r in results["rows"]:
+        print(f"| {r['s']} | {r['backend']} | {r['wrapped_tflops']:.1f} | "
+              f"{r['direct_tflops']:.1f} | {r['ratio']:.4f} |")
+    print("\n| s | GQA variant | fwd+bwd TFLOP/s |")
+    print("|---|---|---|")
+    for r in results.get("gqa_rows", []):
+        print(f"| {r['s']} | {r['variant']} | {r['tflops']:.1f} |")
+    harness.shutdown()
+
+
+if __name__ == "__main__":
+    main()
