@@ -1,7 +1,7 @@
 """pretrain_gpt.py end to end, as a user runs it: torchrun, real preprocessed data, checkpoints.
 
 - SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
-  packed documents with reset attention).
+  packed documents with reset attention, a sequence length SP must pad).
 - A run stopped at iteration 4 and resumed equals the uninterrupted run; so does resuming the
   same checkpoint at another SP size.
 - SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
@@ -61,7 +61,9 @@ def data_flags(corpus_prefix, sp_model, tmp_path_factory):
 
 
 def test_sp_and_dp_x_sp_match_sp1_every_iteration(data_flags):
-    flags = [*data_flags, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "2"]
+    # 63 tokens: SP 2 pads every sequence to 64 (pad id, loss mask 0).
+    flags = [*data_flags, "--train-iters", "10", "--eval-interval", "5", "--eval-iters", "2",
+             "--seq-length", "63"]
     reference = launch(1, *flags)
     expected = losses(reference)
     assert sorted(expected) == list(range(1, 11))
@@ -132,6 +134,10 @@ BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
     (["--exit-signal-handler"], 1, "--exit-signal-handler saves before exiting: it needs --save"),
     (["--data-path", "x"], 1, "give --data-path or --mock-data, not both"),
     (["--ulysses-sp-size", "0"], 1, "--ulysses-sp-size must be >= 1"),
+    (["--ulysses-sp-size", "2", "--seq-length", "63", "--position-embedding-type",
+      "learned_absolute", "--max-position-embeddings", "63"], 2,
+     "--max-position-embeddings (63) must be >= --seq-length (63) padded to a multiple of "
+     "--ulysses-sp-size (2), 64"),
 ])
 def test_bad_configuration_names_the_flag(argv, world, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

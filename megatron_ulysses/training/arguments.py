@@ -197,12 +197,15 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
+    # The loader pads s to a multiple of P (loss mask 0); padded tokens still get positions.
+    padded_length = -(-args.seq_length // dims.sp) * dims.sp
     if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
+        args.max_position_embeddings = padded_length
     if args.position_embedding_type == "learned_absolute":
-        _require(args.max_position_embeddings >= args.seq_length,
+        _require(args.max_position_embeddings >= padded_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
-                 f"--seq-length ({args.seq_length}) with learned absolute positions")
+                 f"--seq-length ({args.seq_length}) padded to a multiple of --ulysses-sp-size "
+                 f"({dims.sp}), {padded_length}, with learned absolute positions")
     _require(args.num_layers % dims.pp == 0,
              f"--num-layers ({args.num_layers}) must be divisible by "
              f"--pipeline-model-parallel-size ({dims.pp})")
