@@ -80,11 +80,14 @@ class AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad.contiguous(), ctx.group), None
+        return _all_to_all(grad, ctx.group), None
 
 
 def _all_to_all(buffer: torch.Tensor, group) -> torch.Tensor:
-    out = torch.empty_like(buffer)
+    # Backends may hand back strided views (e.g. SDPA's permuted output); the collective needs
+    # dense buffers, and empty_like would copy the input's strides.
+    buffer = buffer.contiguous()
+    out = torch.empty_like(buffer, memory_format=torch.contiguous_format)
     dist.all_to_all_single(out, buffer, group=group)
     return out
 

@@ -82,10 +82,21 @@ def _ulysses_cases(rank, world_size):
                             max_seqlen_q=9, max_seqlen_kv=9),
                     )
                     _check_against_reference(fn, heads, groups, world_size, r, seed, packed)
+        _check_strided_output(world_size)
         _check_collective_count(world_size)
         _check_against_deepspeed(world_size, r)
     finally:
         ps.destroy_model_parallel()
+
+
+def _check_strided_output(p):
+    """Backends may return strided views (SDPA's permuted output); the exchange takes them."""
+    dense = torch.randn(S, B, 8 // p, D)
+    strided = dense.transpose(0, 1).contiguous().transpose(0, 1)  # same values, [b, s] storage
+    assert not strided.is_contiguous()
+    group = ps.get_ulysses_sp_group()
+    torch.testing.assert_close(all_to_all.output_to_sequence_sharded(strided, group),
+                               all_to_all.output_to_sequence_sharded(dense, group), rtol=0, atol=0)
 
 
 def _check_collective_count(p):
