@@ -6,6 +6,7 @@
 message naming the flag, before any process group exists.
 """
 
+import os
 import sys
 import warnings
 
@@ -19,29 +20,33 @@ for message in (".*(Apex|Transformer Engine).* not installed.*", "full scope is 
 from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
 
 
+def _report(error: ConfigError) -> int:
+    """Every rank finds the same configuration error; rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
     except ConfigError as error:
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
-        return 2
+        return _report(error)
+    import torch.distributed as dist
+
     from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.training.loop import pretrain
 
     try:
         pretrain(args)
-    except (ValueError, FileNotFoundError) as error:  # configuration found wrong while building
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
-        return 2
+    except ConfigError as error:  # data or tokenizer files, checked before any collective
+        return _report(error)
     finally:
         if ps.is_initialized():
             ps.destroy_model_parallel()
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

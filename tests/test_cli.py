@@ -165,4 +165,15 @@ def test_cli_exits_nonzero_before_any_collective():
     assert result.returncode != 0
     assert "pretrain_gpt.py: error: world size 2 is not divisible" in result.stderr
     assert "--ulysses-sp-size (16)" in result.stderr
+    assert result.stderr.count("pretrain_gpt.py: error:") == 1  # rank 0 only
     assert time.time() - start < 120
+
+
+def test_missing_data_prefix_is_reported_before_training(tmp_path, sp_model):
+    result = launch(2, "--data-path", "0.5", str(tmp_path / "absent"), "0.5",
+                    str(tmp_path / "absent2"), "--tokenizer-type", "GPTSentencePieceTokenizer",
+                    "--tokenizer-model", sp_model, "--train-iters", "2")
+    assert result.returncode != 0
+    assert "--data-path prefixes without .bin/.idx files" in result.stderr
+    assert str(tmp_path / "absent2") in result.stderr
+    assert "megatron_ulysses/" not in result.stderr  # a message, not a traceback from our code

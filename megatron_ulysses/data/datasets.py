@@ -72,7 +72,6 @@ def build_train_valid_test_datasets(
         BlendedMegatronDatasetBuilder,
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
-    from megatron.core.datasets.utils import get_blend_from_list
 
     check_dataset_helpers()
     if mock_data == bool(data_path):
@@ -80,10 +79,7 @@ def build_train_valid_test_datasets(
             f"give exactly one of --data-path (got {data_path!r}) and --mock-data "
             f"(got {mock_data})"
         )
-    blend = None
-    if data_path:
-        blend = get_blend_from_list(list(data_path))
-        _check_prefixes_exist(blend[0])
+    blend = check_data_path(data_path) if data_path else None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -103,15 +99,24 @@ def build_train_valid_test_datasets(
     return tuple(builder.build())
 
 
-def _check_prefixes_exist(prefixes: List[str]) -> None:
+def check_data_path(data_path: List[str]) -> Tuple:
+    """Parse ``--data-path`` words into megatron-core's blend and check every prefix has its
+    ``.bin/.idx`` files; raises ``ValueError``/``FileNotFoundError`` naming the flag."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import get_blend_from_list
 
-    missing = [prefix for prefix in prefixes if not IndexedDataset.exists(prefix)]
+    try:
+        blend = get_blend_from_list(list(data_path))
+    except (AssertionError, ValueError):
+        raise ValueError(f"--data-path {' '.join(data_path)!r}: expected PREFIX ... or WEIGHT "
+                         "PREFIX WEIGHT PREFIX ...") from None
+    missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
         raise FileNotFoundError(
             f"--data-path prefixes without .bin/.idx files: {missing} (build them with "
             f"tools/preprocess_data.py --output-prefix)"
         )
+    return blend
 
 
 class PretrainingSampler:

@@ -29,14 +29,18 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
-from ..data.datasets import build_data_iterator, build_train_valid_test_datasets
+from ..data.datasets import (
+    build_data_iterator,
+    build_train_valid_test_datasets,
+    check_data_path,
+)
 from ..data.sharding import get_batch_for_sp_rank
 from ..data.tokenizers import build_tokenizer, padding_id
 from ..layer_specs import build_gpt_model
 from ..loss import loss_func, masked_sum
 from ..memory.activation_offload import enable_activation_offload
 from . import cpu_compat
-from .arguments import padded_vocab_size
+from .arguments import ConfigError, padded_vocab_size
 from .checkpointing import load_checkpoint, save_checkpoint
 from .logging import TrainingLogger, model_flops_per_sample, print_rank_0
 from .optimizer import build_optimizer
@@ -288,8 +292,13 @@ class SignalFlag:
 
 def pretrain(args) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
+    try:  # data and tokenizer files are checked before any process group exists
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        if args.data_path:
+            check_data_path(args.data_path)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
     initialize_distributed(args)
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size,
                                                args.make_vocab_size_divisible_by,
                                                args.tensor_model_parallel_size)
