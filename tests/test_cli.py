@@ -54,7 +54,8 @@ def validation(result) -> dict:
 
 @pytest.fixture(scope="module")
 def data_flags(corpus_prefix, sp_model, tmp_path_factory):
-    return ["--data-path", corpus_prefix, "--split", "90,10,0",
+    # A weighted blend (of the same corpus twice), as Megatron-LM users write them.
+    return ["--data-path", "0.6", corpus_prefix, "0.4", corpus_prefix, "--split", "90,10,0",
             "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
             "--data-cache-path", str(tmp_path_factory.mktemp("index_cache")),
             "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]
