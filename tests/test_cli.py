@@ -3,7 +3,7 @@
 - SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
   packed documents with reset attention, a sequence length SP must pad).
 - A run stopped at iteration 4 and resumed equals the uninterrupted run; so does resuming the
-  same checkpoint at another SP size.
+  same checkpoint at another SP size, and a run with TiledMLP, tiled loss and offload.
 - SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
 - Bad configurations fail with one message naming the flag, before any process group exists.
 """
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+import plot_run
 import pytest
 from conftest import REPO_ROOT
 
@@ -83,6 +84,11 @@ def test_sp_and_dp_x_sp_match_sp1_every_iteration(data_flags):
 def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
     flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "8", "--eval-iters", "0"]
     full = losses(launch(2, *flags, "--ulysses-sp-size", "2"))
+    # The ALST memory features change memory, not numerics.
+    memory = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--tiled-mlp-shards", "2",
+                           "--tiled-loss-shards", "3", "--recompute-granularity", "full",
+                           "--recompute-method", "uniform", "--offload-activations"))
+    assert memory == pytest.approx(full, rel=2e-6)
 
     ckpt = tmp_path / "ckpt"
     first = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--save", str(ckpt),
@@ -103,7 +109,8 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--mock-data",
                "--vocab-size", "256", "--train-iters", "100000", "--eval-iters", "0",
-               "--save", str(ckpt), "--exit-signal-handler"]
+               "--save", str(ckpt), "--exit-signal-handler", "--tensorboard-dir",
+               str(tmp_path / "tb")]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
@@ -118,6 +125,9 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2 and (ckpt / f"iter_{saved:07d}").is_dir()
     assert f"exiting at iteration {saved}" in output
+    logged = plot_run.read_tensorboard(str(tmp_path / "tb"))
+    assert [i for i, _ in logged["loss"]] == list(range(1, saved + 1))
+    assert {"lr", "throughput", "memory"} <= logged.keys()
 
 
 BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
