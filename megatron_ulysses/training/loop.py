@@ -224,7 +224,7 @@ def forward_backward(data_iterator, model, args, forward_only=False):
     reports = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
         num_microbatches=args.num_microbatches,
-        seq_length=args.seq_length // args.ulysses_sp_size,
+        seq_length=-(-args.seq_length // args.ulysses_sp_size),  # s/P after padding
         micro_batch_size=args.micro_batch_size, forward_only=forward_only,
     )
     totals = torch.zeros(2, dtype=torch.float64)
