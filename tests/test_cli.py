@@ -156,6 +156,20 @@ def test_bad_configuration_names_the_flag(argv, world, message):
         parse_args(BASE + argv, world_size=world)
 
 
+def test_megatron_lm_compatibility_flags():
+    args = parse_args(BASE + ["--use-mcore-models", "--log-throughput", "--use-flash-attn",
+                              "--transformer-impl", "local", "--lr-warmup-fraction", "0.5",
+                              "--ckpt-format", "torch_dist"], world_size=1)
+    assert args.ulysses_attention_backend == "local"
+    assert args.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
+    with pytest.raises(ConfigError, match="--transformer-impl local contradicts"):
+        parse_args(BASE + ["--transformer-impl", "local", "--ulysses-attention-backend", "sdpa"],
+                   world_size=1)
+    with pytest.raises(ConfigError, match="--lr-warmup-fraction or --lr-warmup-iters"):
+        parse_args(BASE + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"],
+                   world_size=1)
+
+
 def test_kv_groups_that_do_not_divide_sp_are_refused():
     argv = BASE + ["--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups",
                    "3", "--ulysses-sp-size", "2"]

@@ -151,6 +151,31 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
 
+    g = parser.add_argument_group(
+        "Megatron-LM flags accepted for compatibility (what this package always does)")
+    for flag, why in (
+        ("--use-mcore-models", "the model is always megatron-core's GPTModel"),
+        ("--log-throughput", "throughput and TFLOP/s are always logged"),
+        ("--use-flash-attn", "fused attention comes from --ulysses-attention-backend"),
+        ("--attention-softmax-in-fp32", "the attention backends keep softmax in fp32"),
+        ("--no-masked-softmax-fusion", "no masked-softmax fusion is used"),
+        ("--no-bias-gelu-fusion", "unfused bias + GeLU (fused only on GPU with biases)"),
+        ("--no-bias-swiglu-fusion", "unfused bias + SwiGLU (fused only on GPU with biases)"),
+        ("--no-bias-dropout-fusion", "unfused bias + dropout + add (fused only on GPU)"),
+        ("--no-gradient-accumulation-fusion", "gradient-accumulation fusion is off"),
+        ("--no-rope-fusion", "RoPE fusion is off (global positions need our rotary)"),
+        ("--log-validation-ppl-to-tensorboard", "validation loss goes to TensorBoard"),
+    ):
+        g.add_argument(flag, action="store_true", help=why)
+    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
+                   help="transformer_engine = --ulysses-attention-backend te, local = local")
+    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
+                   help="checkpoints are megatron-core dist_checkpointing (torch_dist)")
+    g.add_argument("--tensorboard-log-interval", type=int, default=1,
+                   help="TensorBoard gets a point every --log-interval")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
+
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
@@ -230,6 +255,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
+    if args.lr_warmup_fraction is not None:
+        _require(args.lr_warmup_iters == 0,
+                 "give --lr-warmup-fraction or --lr-warmup-iters, not both")
+        _require(0 <= args.lr_warmup_fraction <= 1,
+                 f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
+        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
+    if args.transformer_impl is not None:
+        backend = {"transformer_engine": "te", "local": "local"}[args.transformer_impl]
+        _require(args.ulysses_attention_backend in ("auto", backend),
+                 f"--transformer-impl {args.transformer_impl} contradicts "
+                 f"--ulysses-attention-backend {args.ulysses_attention_backend}")
+        args.ulysses_attention_backend = backend
     _require(0 <= args.min_lr <= args.lr,
              f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
     _require(args.lr_warmup_iters <= args.lr_decay_iters,

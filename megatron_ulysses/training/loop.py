@@ -103,9 +103,10 @@ def transformer_config(args) -> TransformerConfig:
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
-        bias_activation_fusion=cuda and not args.disable_bias_linear,
+        bias_activation_fusion=cuda and not args.disable_bias_linear
+        and not (args.no_bias_swiglu_fusion if args.swiglu else args.no_bias_gelu_fusion),
         masked_softmax_fusion=False,
-        bias_dropout_fusion=cuda,
+        bias_dropout_fusion=cuda and not args.no_bias_dropout_fusion,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
     )
