@@ -127,7 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None)
 
     g = parser.add_argument_group("run")
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--train-iters", type=int, default=None)
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="instead of --train-iters: samples / global batch size iterations")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
     g.add_argument("--log-interval", type=int, default=100)
@@ -202,8 +204,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     except ValueError as error:
         raise ConfigError(str(error)) from None
     dims = args.dims
+    _require((args.train_iters is None) != (args.train_samples is None),
+             "give one of --train-iters and --train-samples")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "log_interval", "eval_interval"):
+                 "micro_batch_size", "train_iters" if args.train_iters is not None
+                 else "train_samples", "log_interval", "eval_interval"):
         _require(getattr(args, flag) > 0,
                  f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
@@ -252,6 +257,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
              f"{per_step}); data-parallel size = world {world_size} / (TP {dims.tp} x PP "
              f"{dims.pp} x --ulysses-sp-size {dims.sp})")
     args.num_microbatches = args.global_batch_size // per_step
+    if args.train_samples is not None:
+        args.train_iters = max(1, args.train_samples // args.global_batch_size)
 
     if args.lr_decay_iters is None:
         args.lr_decay_iters = args.train_iters
