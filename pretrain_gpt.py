@@ -8,16 +8,8 @@ message naming the flag, before any process group exists.
 
 import os
 import sys
-import warnings
 
-# megatron-core announces its fallbacks at import; without apex (and on CPU without TE) they are
-# expected; TransformerConfig warns about a default it sets itself, and torch's checkpoint
-# internals about APIs megatron-core's dist_checkpointing still uses.
-for message in (".*(Apex|Transformer Engine).* not installed.*", "full scope is deprecated",
-                "Please use DTensor instead", "`load_state_dict` is deprecated"):
-    warnings.filterwarnings("ignore", message=message)
-
-from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
+from megatron_ulysses.training.arguments import ConfigError, parse_args
 
 
 def _report(error: ConfigError) -> int:
