@@ -2,9 +2,9 @@
 
 - SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
   packed documents with reset attention, a sequence length SP must pad).
-- A run stopped at iteration 4 and resumed equals the uninterrupted run; so does resuming the
-  same checkpoint at another SP and DP size (SP 2 x DP 1 -> SP 1 x DP 2), and a run with
-  TiledMLP, tiled loss and offload.
+- A run stopped at iteration 4 and resumed (past the debris of a crashed save) equals the
+  uninterrupted run; so does resuming the same checkpoint at another SP and DP size
+  (SP 2 x DP 1 -> SP 1 x DP 2), and a run with TiledMLP, tiled loss and offload.
 - SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
 - Bad configurations fail with one message naming the flag, before any process group exists.
 """
@@ -98,8 +98,16 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
 
-    resumed = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--load", str(ckpt)))
+    crashed = ckpt / "iter_0000008.tmp"  # what a crash in the middle of a save leaves
+    crashed.mkdir()
+    (crashed / "half_written").write_bytes(b"\0" * 10)
+
     other_sp = losses(launch(2, *flags, "--load", str(ckpt)))  # SP 2 x DP 1 -> SP 1 x DP 2
+    resumed = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--load", str(ckpt),
+                            "--save", str(ckpt)))
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008",
+                                        "latest_checkpointed_iteration.txt"]
     for run in (resumed, other_sp):
         assert sorted(run) == [5, 6, 7, 8]
         for iteration in run:
