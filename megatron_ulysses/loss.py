@@ -29,7 +29,11 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 
 
 def global_mean(sum_and_count: torch.Tensor) -> float:
-    """[sum, count] of this rank -> sum/count over megatron-core's DP x SP group."""
-    totals = sum_and_count.detach().clone().float()
+    """[Σ loss·mask, Σ mask] of this rank -> the loss over all of megatron-core's DP x SP ranks
+    (and pipeline stages: only the last one holds a loss, the others pass zeros)."""
+    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+    totals = sum_and_count.detach().to(device=device, dtype=torch.float64)
     dist.all_reduce(totals, group=mpu.get_data_parallel_group())
-    return (totals[0] / totals[1]).item()
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(totals, group=mpu.get_pipeline_model_parallel_group())
+    return (totals[0] / totals[1].clamp(min=1)).item()

@@ -37,7 +37,7 @@ from ..data.datasets import (
 from ..data.sharding import get_batch_for_sp_rank
 from ..data.tokenizers import build_tokenizer, padding_id
 from ..layer_specs import build_gpt_model
-from ..loss import loss_func, masked_sum
+from ..loss import global_mean, loss_func, masked_sum
 from ..memory.activation_offload import enable_activation_offload
 from . import cpu_compat
 from .arguments import ConfigError, padded_vocab_size
@@ -234,17 +234,6 @@ def forward_backward(data_iterator, model, args, forward_only=False):
     return totals
 
 
-def global_loss(totals: torch.Tensor) -> float:
-    """[Σ loss·mask, Σ mask] of this rank -> the loss over the whole global batch (all DP x SP
-    ranks, every micro batch, last pipeline stage)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    totals = totals.to(device)
-    dist.all_reduce(totals, group=mpu.get_data_parallel_group())
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
-        dist.all_reduce(totals, group=mpu.get_pipeline_model_parallel_group())
-    return (totals[0] / totals[1].clamp(min=1)).item()
-
-
 def train_step(data_iterator, model, optimizer, scheduler, args):
     """One optimizer step over the global batch; returns (loss, grad norm, update ok)."""
     model.zero_grad_buffer()
@@ -257,7 +246,7 @@ def train_step(data_iterator, model, optimizer, scheduler, args):
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=args.global_batch_size)
-    return global_loss(totals), grad_norm, ok
+    return global_mean(totals), grad_norm, ok
 
 
 def evaluate(data_iterator, model, args) -> float:
@@ -267,7 +256,7 @@ def evaluate(data_iterator, model, args) -> float:
         for _ in range(args.eval_iters):
             totals += forward_backward(data_iterator, model, args, forward_only=True)
     model.train()
-    return global_loss(totals)
+    return global_mean(totals)
 
 
 class SignalFlag:
