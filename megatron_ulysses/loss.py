@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from .training import cpu_compat
+
 
 def masked_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):
     """per-token loss `[b, s/P]`, loss mask `[b, s/P]` -> (sum(l*mask), sum(mask)), float32."""
@@ -31,8 +33,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def global_mean(sum_and_count: torch.Tensor) -> float:
     """[Σ loss·mask, Σ mask] of this rank -> the loss over all of megatron-core's DP x SP ranks
     (and pipeline stages: only the last one holds a loss, the others pass zeros)."""
-    device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-    totals = sum_and_count.detach().to(device=device, dtype=torch.float64)
+    totals = sum_and_count.detach().to(device=cpu_compat.device(), dtype=torch.float64)
     dist.all_reduce(totals, group=mpu.get_data_parallel_group())
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(totals, group=mpu.get_pipeline_model_parallel_group())

@@ -58,6 +58,13 @@ def _cpu_rng_tracker_class():
     return CpuRNGStatesTracker
 
 
+def device() -> torch.device:
+    """Where this process's tensors live: its CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def install() -> None:
     """Apply the shim once, only when CUDA is absent."""
     global _INSTALLED

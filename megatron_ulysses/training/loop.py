@@ -172,7 +172,7 @@ class Batches:
 
     def __next__(self):
         local = self.shard(next(self.iterator))
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        device = cpu_compat.device()
         batch = {key: local[key].to(device, non_blocking=True)
                  for key in ("tokens", "labels", "loss_mask", "position_ids")}
         batch["packed_seq_params"] = None
@@ -240,8 +240,7 @@ def train_step(data_iterator, model, optimizer, scheduler, args):
     optimizer.zero_grad()
     totals = forward_backward(data_iterator, model, args)
     if args.pipeline_model_parallel_size == 1:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        num_tokens = totals[1].round().to(torch.int64).to(device)
+        num_tokens = totals[1].round().to(torch.int64).to(cpu_compat.device())
         finalize_model_grads([model], num_tokens=num_tokens)
     ok, grad_norm, _ = optimizer.step()
     if ok:
@@ -274,8 +273,7 @@ class SignalFlag:
     def any_rank(self) -> bool:
         if not self.enabled:
             return False
-        flag = torch.tensor([int(self.received)],
-                            device="cuda" if torch.cuda.is_available() else "cpu")
+        flag = torch.tensor([int(self.received)], device=cpu_compat.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
