@@ -11,7 +11,7 @@ reads, so every rank of one SP group reads the same sample.
 """
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -55,6 +55,14 @@ class ParallelDims:
     def megatron_dp(self) -> int:
         """megatron-core's data-parallel size DP' = DP x SP."""
         return self.dp * self.sp
+
+    def rank_groups(self, axis: str) -> List[List[int]]:
+        """Global ranks of every group along `axis`: "sp" (blocks of P consecutive members of
+        megatron-core's DP group, right after TP in rank order) or "dp" (pure data parallel:
+        the ranks that read different samples). Pure: no process group needed."""
+        generator = RankGenerator(tp=self.tp, ep=1, dp=self.dp, pp=self.pp, cp=self.sp,
+                                  order=_ORDER)
+        return generator.get_ranks({"sp": "cp", "dp": "dp"}[axis])
 
     def validate_model(
         self,
@@ -129,14 +137,13 @@ def initialize_model_parallel(
         order=_ORDER,
         **megatron_kwargs,
     )
-    generator = RankGenerator(tp=dims.tp, ep=1, dp=dims.dp, pp=dims.pp, cp=dims.sp, order=_ORDER)
     rank = dist.get_rank()
     # new_group is collective: every rank creates every group, in the same order.
-    for ranks in generator.get_ranks("cp"):
+    for ranks in dims.rank_groups("sp"):
         group = dist.new_group(ranks)
         if rank in ranks:
             _SP_GROUP, _SP_RANKS = group, ranks
-    for ranks in generator.get_ranks("dp"):
+    for ranks in dims.rank_groups("dp"):
         group = dist.new_group(ranks)
         if rank in ranks:
             _DP_GROUP, _DP_RANKS = group, ranks

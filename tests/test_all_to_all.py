@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from megatron.core.parallel_state import RankGenerator
 
 from megatron_ulysses.all_to_all import (
     exchange_reference,
@@ -72,6 +73,21 @@ def test_parallel_dims():
     assert (dims.dp, dims.megatron_dp) == (2, 8)
     dims.validate_model(32, 8, 4096)
     ParallelDims(world_size=8, sp=8).validate_model(32, 2, 8192)  # kv replication: 8 % 2 == 0
+
+
+def test_sp_groups_are_the_closest_ranks_after_tp():
+    dims = ParallelDims(world_size=32, tp=2, pp=2, sp=4)  # DP 2
+    sp_groups, dp_groups = dims.rank_groups("sp"), dims.rank_groups("dp")
+    assert sp_groups[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert dp_groups[:2] == [[0, 8], [1, 9]]
+    assert sorted(r for g in sp_groups for r in g) == list(range(32))
+    for group in sp_groups:  # TP x SP = 8 consecutive ranks: one 8-GPU node
+        assert max(group) // 8 == min(group) // 8
+    # Each SP group and each pure-DP group lie inside one megatron-core DP group (DP x SP).
+    mcore_dp = RankGenerator(tp=2, ep=1, dp=8, pp=2, cp=1, order="tp-cp-ep-dp-pp").get_ranks("dp")
+    for group in sp_groups + dp_groups:
+        assert any(set(group) <= set(m) for m in mcore_dp)
+    assert len({r for g in dp_groups for r in g}) == 32
 
 
 @pytest.mark.parametrize(
