@@ -4,7 +4,8 @@
   packed documents with reset attention, a sequence length SP must pad).
 - A run stopped at iteration 4 and resumed (past the debris of a crashed save) equals the
   uninterrupted run; so does resuming the same checkpoint at another SP and DP size
-  (SP 2 x DP 1 -> SP 1 x DP 2), and a run with TiledMLP, tiled loss and offload.
+  (SP 2 x DP 1 -> SP 1 x DP 2); a run with TiledMLP, tiled loss and offload, and one at
+  TP 2 x SP 2 with --sequence-parallel, give the same losses.
 - SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
 - Bad configurations fail with one message naming the flag, before any process group exists.
 """
@@ -90,6 +91,11 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
                            "--tiled-loss-shards", "3", "--recompute-granularity", "full",
                            "--recompute-method", "uniform", "--offload-activations"))
     assert memory == pytest.approx(full, rel=2e-6)
+    # TP 2 x SP 2 with sequence parallelism; the same padded vocab (3 x 128) as TP 1.
+    tensor_parallel = losses(launch(4, *flags, "--ulysses-sp-size", "2",
+                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                    "--make-vocab-size-divisible-by", "64"))
+    assert tensor_parallel == pytest.approx(full, rel=2e-6)
 
     ckpt = tmp_path / "ckpt"
     first = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--save", str(ckpt),
