@@ -33,7 +33,7 @@ def loss_func(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
 def global_mean(sum_and_count: torch.Tensor) -> float:
     """[Σ loss·mask, Σ mask] of this rank -> the loss over all of megatron-core's DP x SP ranks
     (and pipeline stages: only the last one holds a loss, the others pass zeros)."""
-    totals = sum_and_count.detach().to(device=cpu_compat.device(), dtype=torch.float64)
+    totals = sum_and_count.detach().to(cpu_compat.device(), torch.float64, copy=True)
     dist.all_reduce(totals, group=mpu.get_data_parallel_group())
     if mpu.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(totals, group=mpu.get_pipeline_model_parallel_group())

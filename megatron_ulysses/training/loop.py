@@ -185,36 +185,37 @@ class Batches:
         return batch
 
 
+def _per_token_loss(model, batch):
+    """The model on one sequence-sharded micro batch: per-token loss `[b, s/P]`."""
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                 packed_seq_params=batch["packed_seq_params"])
+
+
 def forward_step(data_iterator, model):
     """megatron-core's forward_step_func: per-token loss `[b, s/P]` and its loss function."""
     batch = next(data_iterator)
-    per_token_loss = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
-                           packed_seq_params=batch["packed_seq_params"])
-    return per_token_loss, functools.partial(loss_func, batch["loss_mask"])
+    return _per_token_loss(model, batch), functools.partial(loss_func, batch["loss_mask"])
 
 
 def _no_pipeline_forward_backward(data_iterator, model, num_microbatches, forward_only,
                                   grad_scale_func):
     """PP = 1: backward of each micro batch's Σ loss·mask; returns [Σ loss·mask, Σ mask]."""
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     for index in range(num_microbatches):
         last = index == num_microbatches - 1
         sync = contextlib.nullcontext() if forward_only or last else model.no_sync()
         with sync, torch.set_grad_enabled(not forward_only):
             batch = next(data_iterator)
-            per_token_loss = model(batch["tokens"], batch["position_ids"], None,
-                                   labels=batch["labels"],
-                                   packed_seq_params=batch["packed_seq_params"])
-            loss_sum, count = masked_sum(per_token_loss, batch["loss_mask"])
+            loss_sum, count = masked_sum(_per_token_loss(model, batch), batch["loss_mask"])
             if not forward_only:
                 scaled = grad_scale_func(loss_sum) if grad_scale_func else loss_sum
                 scaled.backward()
-        totals += torch.stack([loss_sum.detach(), count]).double().cpu()
+        totals += torch.stack([loss_sum.detach(), count]).double()
     return totals
 
 
 def forward_backward(data_iterator, model, args, forward_only=False):
-    """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64, CPU),
+    """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64),
     summed over micro batches (zeros off the last pipeline stage)."""
     config = model.config
     if args.pipeline_model_parallel_size == 1:
@@ -228,9 +229,9 @@ def forward_backward(data_iterator, model, args, forward_only=False):
         seq_length=-(-args.seq_length // args.ulysses_sp_size),  # s/P after padding
         micro_batch_size=args.micro_batch_size, forward_only=forward_only,
     )
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     for report in reports:
-        totals += report["lm loss"].double().cpu()
+        totals += report["lm loss"].double()
     return totals
 
 
@@ -240,7 +241,7 @@ def train_step(data_iterator, model, optimizer, scheduler, args):
     optimizer.zero_grad()
     totals = forward_backward(data_iterator, model, args)
     if args.pipeline_model_parallel_size == 1:
-        num_tokens = totals[1].round().to(torch.int64).to(cpu_compat.device())
+        num_tokens = totals[1].round().to(torch.int64)
         finalize_model_grads([model], num_tokens=num_tokens)
     ok, grad_norm, _ = optimizer.step()
     if ok:
@@ -250,7 +251,7 @@ def train_step(data_iterator, model, optimizer, scheduler, args):
 
 def evaluate(data_iterator, model, args) -> float:
     model.eval()
-    totals = torch.zeros(2, dtype=torch.float64)
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     with torch.no_grad():
         for _ in range(args.eval_iters):
             totals += forward_backward(data_iterator, model, args, forward_only=True)
