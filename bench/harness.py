@@ -11,7 +11,6 @@ half of it under the causal mask, times 3 for forward + backward. Recompute is n
 import gc
 import json
 import os
-import socket
 import time
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ if torch.cuda.is_available():
 
 from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.training import cpu_compat
+from megatron_ulysses.training.loop import start_process_group
 
 H200_PEAK_TFLOPS = 989.0  # dense bf16, datasheet (MFU denominator, as in BASELINES.md)
 GIB = 1 << 30
@@ -50,24 +50,13 @@ PRESETS = {
 }
 
 
-def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
+device = cpu_compat.device
 
 
 def init_distributed(sp=1) -> None:
     """Default group (torchrun's env, else a single process) and, unless `sp` is None, the
     Ulysses/megatron groups for SP size `sp`."""
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:
-        cpu_compat.install()
-    if "RANK" not in os.environ:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    start_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if sp is not None:
         init_parallel(sp)
 

@@ -13,6 +13,7 @@ import datetime
 import functools
 import os
 import signal
+import socket
 
 import torch
 import torch.distributed as dist
@@ -46,30 +47,29 @@ from .logging import TrainingLogger, model_flops_per_sample, print_rank_0
 from .optimizer import build_optimizer
 
 
-def initialize_distributed(args) -> None:
-    """torch.distributed from torchrun's environment (a single process without it), then the
-    megatron-core and Ulysses groups and the seeds."""
+def start_process_group(backend: str, timeout_minutes: int = 10) -> None:
+    """The default process group from torchrun's environment (a world of one without it), on
+    this process's GPU, or on CPU with the compat shim installed."""
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     else:
         cpu_compat.install()
-    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: a world of one
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(backend=args.distributed_backend,
-                            timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes))
+        os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
+def initialize_distributed(args) -> None:
+    """The default process group, then the megatron-core and Ulysses groups and the seeds."""
+    start_process_group(args.distributed_backend, args.distributed_timeout_minutes)
     ps.initialize_model_parallel(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.ulysses_sp_size)
     cpu_compat.model_parallel_manual_seed(args.seed)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def transformer_config(args) -> TransformerConfig:
