@@ -47,15 +47,20 @@ class TokenizerBase(ABC):
     def vocab_size(self) -> int:
         """Number of ids, including the special ids added on top of the model."""
 
+    # Subclasses with a vocabulary set `_vocab` and `_inv_vocab`.
     @property
-    @abstractmethod
     def vocab(self) -> Dict[str, int]:
         """Token text -> id."""
+        if not hasattr(self, "_vocab"):
+            raise NotImplementedError(f"{type(self).__name__} has no vocabulary")
+        return self._vocab
 
     @property
-    @abstractmethod
     def inv_vocab(self) -> Dict[int, str]:
         """Id -> token text."""
+        if not hasattr(self, "_inv_vocab"):
+            raise NotImplementedError(f"{type(self).__name__} has no vocabulary")
+        return self._inv_vocab
 
     # Optional special ids: megatron-core catches these errors and falls back to its defaults.
     @property
@@ -152,14 +157,6 @@ class SentencePieceTokenizer(TokenizerBase):
         return len(self._vocab)
 
     @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def cls(self) -> int:
         return self._cls_id
 
@@ -216,14 +213,6 @@ class GPTSentencePieceTokenizer(TokenizerBase):
         return len(self._vocab)
 
     @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def eod(self) -> int:
         return self.tokenizer.eos_id()
 
@@ -270,14 +259,6 @@ class HuggingFaceTokenizer(TokenizerBase):
         return len(self.tokenizer)
 
     @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
-    @property
     def eod(self) -> int:
         return self.tokenizer.eos_token_id
 
@@ -311,14 +292,6 @@ class NullTokenizer(TokenizerBase):
     @property
     def vocab_size(self) -> int:
         return self._eod_id + 1
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        raise NotImplementedError("NullTokenizer has no vocabulary")
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        raise NotImplementedError("NullTokenizer has no vocabulary")
 
     @property
     def eod(self) -> int:
