@@ -4,7 +4,6 @@ TiledMLP vs MLP, tiled loss vs GPTModel's untiled loss, activation offload vs no
 outputs and every gradient must match; tiling / offloading must really happen.
 """
 
-import socket
 
 import pytest
 import torch
@@ -26,6 +25,8 @@ from megatron_ulysses.memory.tiled_loss import TiledLossGPTModelMixin, tiled_cro
 from megatron_ulysses.memory.tiled_mlp import TiledMLP, resolve_mlp_tiles, tiled_mlp_layer_spec
 from megatron_ulysses.training import cpu_compat
 
+from distributed import free_port
+
 S, B, H, V = 20, 2, 16, 64
 
 
@@ -36,10 +37,8 @@ class TiledLossGPTModel(TiledLossGPTModelMixin, GPTModel):
 @pytest.fixture(scope="module", autouse=True)
 def megatron_cpu():
     cpu_compat.install()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{free_port()}")
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
