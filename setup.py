@@ -11,12 +11,12 @@ setup(
         "megatron-core>=0.16,<0.20",
         "sentencepiece",
         "numpy",
-        "psutil",
+        "tensorboard",  # --tensorboard-dir
+        "matplotlib",  # tools/plot_run.py (the quickstart draws its loss curve)
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "deepspeed": ["deepspeed"],
-        "plot": ["matplotlib", "tensorboard"],
-        "test": ["pytest", "matplotlib", "tensorboard"],
+        "test": ["pytest"],
     },
 )

@@ -110,13 +110,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
+    g.add_argument("--override-opt_param-scheduler", action="store_true",
+                   help="on --load, take the LR / weight-decay schedule from these flags, not "
+                   "from the checkpoint")
+    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+                   help="on --load, take the LR / weight-decay schedule from the checkpoint "
+                   "(without either flag a schedule that differs from the flags is an error)")
 
     g = parser.add_argument_group("mixed precision")
     g.add_argument("--bf16", action="store_true")
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static fp16 loss scale; default dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16,
+                   help="dynamic fp16 loss scale to start from (Megatron-LM: 2^32, which "
+                   "skips ~17 steps while it halves down to a usable scale)")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
@@ -138,6 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: save a checkpoint (needs --save) and exit")
     g.add_argument("--tensorboard-dir", type=str, default=None)
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise run-to-run and resume reproducibility on GPU: deterministic "
+                   "TE attention (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0), deterministic torch and "
+                   "cuBLAS kernels, megatron-core's deterministic embedding backward; slower")
 
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
@@ -280,6 +292,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
              f"--lr-warmup-iters ({args.lr_warmup_iters}) must be <= --lr-decay-iters "
              f"({args.lr_decay_iters})")
     _require(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
+             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
+             "exclusive; give one")
 
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; give one")
     if not cuda:

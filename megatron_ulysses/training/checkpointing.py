@@ -22,6 +22,11 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from .logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
+# The distributed optimizer's canonical, per-parameter layout: it loads at any DP x SP size (SP
+# lives inside megatron-core's DP, so a new --ulysses-sp-size changes DP'). megatron-core 0.19's
+# default, fully_sharded_model_space, is deprecated there and fails to save; dp_reshardable
+# reshards over DP only with the same bucket layout. `CpuAdamW` takes and ignores it.
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Args that must match between the checkpoint and the run that loads it.
 _SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "kv_channels", "padded_vocab_size",
@@ -77,7 +82,8 @@ def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_s
     state = {"model": model_sd, "iteration": iteration, "consumed_samples": consumed_samples,
              "args": {key: getattr(args, key) for key in _SHAPE_ARGS}}
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading)
+        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                         metadata=OPTIMIZER_METADATA)
         state["opt_param_scheduler"] = scheduler.state_dict()
     if with_rng:
         state["rng_state"] = _rng_state()
@@ -138,7 +144,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     model.module.load_state_dict(loaded["model"])
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        try:
+            scheduler.load_state_dict(loaded["opt_param_scheduler"])
+        except AssertionError as error:  # megatron-core's check of flags vs checkpoint
+            raise ValueError(
+                f"--load {path}: the LR schedule of the flags differs from the checkpoint's "
+                f"({error}); pass --override-opt_param-scheduler to use the flags or "
+                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
     if with_rng:
         _set_rng_state(loaded["rng_state"])
     print_rank_0(f" loaded checkpoint from {path} at iteration {loaded['iteration']}")

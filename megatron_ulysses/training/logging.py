@@ -49,6 +49,15 @@ def peak_memory_gib() -> float:
     return kib / 2**20
 
 
+def _as_float(value):
+    """A Python float from a float, int or 0-d tensor; None stays None."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor):
+        return float(value.item())
+    return float(value)
+
+
 class TrainingLogger:
     """Accumulates per-iteration figures between log lines; rank 0 prints and writes TB."""
 
@@ -79,7 +88,11 @@ class TrainingLogger:
             self.start += time.time() - start
 
     def log_iteration(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                      grad_norm, loss_scale: float, skipped: bool) -> None:
+                      grad_norm, loss_scale, skipped: bool) -> None:
+        """`grad_norm` and `loss_scale` as the optimizer returns them: a float, a 0-d tensor
+        (megatron-core 0.19) or None."""
+        grad_norm = _as_float(grad_norm)
+        loss_scale = _as_float(loss_scale)
         if self.first_iteration is None:
             self.first_iteration = iteration - 1
         self.window_iters += 1

@@ -64,8 +64,19 @@ def start_process_group(backend: str, timeout_minutes: int = 10) -> None:
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
 
 
+def set_deterministic_mode() -> None:
+    """`--deterministic-mode`: what TE and torch need for bitwise run-to-run equality on GPU.
+    Set before the first kernel runs (TE reads NVTE_* when it picks an attention kernel)."""
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"  # TE: no atomics in attention bwd
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+    # warn_only: an op without a deterministic kernel warns (once) instead of stopping the run.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def initialize_distributed(args) -> None:
     """The default process group, then the megatron-core and Ulysses groups and the seeds."""
+    if args.deterministic_mode:
+        set_deterministic_mode()
     start_process_group(args.distributed_backend, args.distributed_timeout_minutes)
     ps.initialize_model_parallel(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.ulysses_sp_size)
@@ -109,6 +120,7 @@ def transformer_config(args) -> TransformerConfig:
         bias_dropout_fusion=cuda and not args.no_bias_dropout_fusion,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        deterministic_mode=args.deterministic_mode,
     )
 
 
@@ -148,6 +160,8 @@ def build_scheduler(args, optimizer) -> OptimizerParamScheduler:
         lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay,
         end_wd=args.weight_decay, wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 
@@ -334,7 +348,7 @@ def pretrain(args) -> None:
         consumed += args.global_batch_size
         saved = False
         logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, float(optimizer.get_loss_scale()), skipped=not ok)
+                             grad_norm, optimizer.get_loss_scale(), skipped=not ok)
         if valid_batches is not None and iteration % args.eval_interval == 0:
             with logger.paused():
                 logger.log_validation(iteration, evaluate(valid_batches, model, args))
