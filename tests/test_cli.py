@@ -120,6 +120,22 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
             assert run[iteration] == pytest.approx(full[iteration], rel=2e-6)
 
 
+def test_resume_is_exact_with_dropout_and_resumes_validation(tmp_path):
+    # Dropout on: the resumed run must draw the same masks (the data loader may not consume the
+    # restored RNG) and continue the validation iterator where the first run left it.
+    flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "6", "--eval-interval", "2",
+             "--eval-iters", "1", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+    full = launch(1, *flags)
+    ckpt = tmp_path / "ckpt"
+    launch(1, *flags, "--save", str(ckpt), "--exit-interval", "3")
+    resumed = launch(1, *flags, "--load", str(ckpt))
+    expected, got = losses(full), losses(resumed)
+    assert sorted(got) == [4, 5, 6]
+    assert {i: expected[i] for i in got} == got  # the logged digits, exactly
+    assert validation(resumed) == {i: validation(full)[i] for i in (4, 6)}
+    assert len(set(validation(full).values())) == 3  # each evaluation reads other samples
+
+
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     ckpt = tmp_path / "ckpt"
     command = [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--mock-data",

@@ -194,10 +194,13 @@ def build_data_iterator(
         dp_rank=dp_rank,
         dp_size=dp_size,
     )
+    # Its own generator: iter(DataLoader) draws the workers' base seed from it, and drawing from
+    # the global torch RNG instead would shift every dropout mask after a resume.
     loader = torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
         num_workers=num_workers,
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(consumed_samples),
     )
     return iter(loader)

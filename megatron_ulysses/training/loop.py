@@ -335,7 +335,9 @@ def pretrain(args) -> None:
         data_cache_path=args.data_cache_path,
     )
     train_batches = Batches(train_ds, consumed, args, tokenizer)
-    valid_batches = Batches(valid_ds, 0, args, tokenizer) \
+    # As Megatron-LM: the validation iterator resumes where the evaluations so far left it.
+    valid_consumed = iteration // args.eval_interval * args.eval_iters * args.global_batch_size
+    valid_batches = Batches(valid_ds, valid_consumed, args, tokenizer) \
         if valid_ds is not None and args.eval_iters > 0 else None
 
     logger = TrainingLogger(args, model_flops_per_sample(args), dims.world_size)
