@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The GPU suite on one GPU (the lent H200): TE, megatron-core 0.19, NCCL and gloo-on-CUDA.
+# Prepare TE first (../shared/device/prepare_te.sh; its header says how), then, on the GPU machine:
+#     . .te6/install_te.sh && bash tests/gpu/run.sh
+# Writes $OUT (default runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json;
+# tests/gpu/LAST_RUN.md is written from them. About 5 minutes on an H200.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+OUT=${OUT:-runs/gpu_tests}
+mkdir -p "$OUT"
+export GPU_TEST_REPORT=$OUT/report.jsonl
+rm -f "$GPU_TEST_REPORT"
+start=$(date +%s)
+python3 -m pytest -q -rA -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log"
+rc=${PIPESTATUS[0]}
+python3 - "$OUT/versions.json" "$(( $(date +%s) - start ))" <<'PY'
+import json, sys, torch
+versions = {"wall_s": int(sys.argv[2]), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "cudnn": torch.backends.cudnn.version(), "gpu": torch.cuda.get_device_name(0)}
+for name in ("transformer_engine", "megatron.core"):
+    try:
+        module = __import__(name, fromlist=["__version__"])
+        versions[name] = module.__version__
+    except ImportError:
+        versions[name] = None
+json.dump(versions, open(sys.argv[1], "w"), indent=1)
+PY
+exit $rc
