@@ -7,7 +7,18 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _indexed import (  # noqa: E402
+    ToolError,
+    check_dataset,
+    describe_tokenizer,
+    load_tokenizer,
+    read_sidecar,
+    reports_errors,
+)
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -21,13 +32,14 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+@reports_errors
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    if not IndexedDataset.exists(args.data_prefix):
-        raise SystemExit(f"--data-prefix {args.data_prefix!r} has no .bin/.idx files")
+    check_dataset(args.data_prefix, "--data-prefix")
+    record = read_sidecar(args.data_prefix, "--data-prefix")
     dataset = IndexedDataset(args.data_prefix)
     # Documents may span several sequences (sentence-split data), so sum per document.
     doc_bounds = dataset.document_indices
@@ -36,6 +48,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     num_docs = len(doc_lengths)
     print(f"prefix:    {args.data_prefix}")
     print(f"dtype:     {dataset.index.dtype.__name__}")
+    if record is not None:
+        print(f"tokenizer: {describe_tokenizer(record)}")
     print(f"documents: {num_docs}")
     print(f"sequences: {len(dataset)}")
     print(f"tokens:    {int(doc_lengths.sum())}")
@@ -49,14 +63,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.sample is None:
         return 0
     if not 0 <= args.sample < num_docs:
-        raise SystemExit(f"--sample {args.sample} is outside [0, {num_docs})")
-    ids = numpy.concatenate(
-        [dataset[i] for i in range(doc_bounds[args.sample], doc_bounds[args.sample + 1])]
-    ).tolist()
+        raise ToolError(f"--sample {args.sample} is outside [0, {num_docs}) (document indices)")
+    ids = [token for i in range(doc_bounds[args.sample], doc_bounds[args.sample + 1])
+           for token in dataset[i].tolist()]
     print(f"document {args.sample}: {len(ids)} tokens")
     print(f"ids: {ids}")
     if args.tokenizer_type is not None:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = load_tokenizer(args)
+        if max(ids, default=-1) >= tokenizer.vocab_size:
+            raise ToolError(
+                f"document {args.sample} holds token id {max(ids)} but the --tokenizer-type "
+                f"{args.tokenizer_type} tokenizer has {tokenizer.vocab_size} ids; pass the "
+                f"--tokenizer-type/--tokenizer-model/--vocab-size the dataset was made with"
+            )
         print(f"text: {tokenizer.detokenize(ids)}")
     return 0
 

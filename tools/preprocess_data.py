@@ -1,8 +1,10 @@
 """Tokenize a jsonl corpus into megatron-core ``IndexedDataset`` files (Megatron-LM interface).
 
 Writes ``{output_prefix}_{key}_document.bin/.idx`` per ``--json-keys`` key. Lines that cannot be
-used (invalid JSON, not UTF-8, missing key, empty text) are skipped and reported with their
-1-based line number; the output order never depends on ``--workers``.
+used (invalid JSON, not UTF-8, missing key, empty text, a lone surrogate, for ``NullTokenizer``
+anything but ids in ``[0, --vocab-size)``) are skipped and reported with their 1-based line
+number; the output order never depends on ``--workers``. ``{prefix}.tokenizer.json`` next to each
+dataset records the tokenizer, so that merge_datasets.py can refuse to mix tokenizers.
 """
 
 import argparse
@@ -10,14 +12,28 @@ import gzip
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _indexed import (  # noqa: E402
+    Staged,
+    ToolError,
+    dataset_files,
+    load_tokenizer,
+    reports_errors,
+    tokenizer_record,
+    write_sidecar,
+)
 
 # Skipped lines listed individually in the final summary; all of them go to stderr as they occur.
 SUMMARY_LIST_LIMIT = 20
@@ -51,8 +67,24 @@ def parse_json_line(raw: bytes, json_keys: List[str]) -> Tuple[Optional[Dict[str
             return None, f"key {key!r} is not a string (got {type(record[key]).__name__})"
         if not record[key].strip():
             return None, f"empty text in key {key!r}"
+        try:
+            record[key].encode("utf-8")
+        except UnicodeEncodeError as err:  # JSON escapes such as "\ud800" decode to lone surrogates
+            return None, (f"key {key!r} holds a lone surrogate "
+                          f"({record[key][err.start]!r} at character {err.start})")
         texts[key] = record[key]
     return texts, ""
+
+
+def null_tokenizer_problem(text: str, vocab_size: int) -> str:
+    """Why ``text`` is not NullTokenizer input (whitespace-separated ids below ``vocab_size``),
+    "" when it is."""
+    for word in text.split():
+        if not re.fullmatch(r"[+-]?[0-9]+", word):
+            return f"NullTokenizer text must be whitespace-separated integers, got {word[:20]!r}"
+        if not 0 <= int(word) < vocab_size:
+            return f"token id {int(word)} is outside [0, {vocab_size}) (raise --vocab-size)"
+    return ""
 
 
 class Encoder:
@@ -65,9 +97,7 @@ class Encoder:
         self.args = args
 
     def initializer(self) -> None:
-        Encoder.tokenizer = build_tokenizer(
-            self.args.tokenizer_type, self.args.tokenizer_model, self.args.vocab_size
-        )
+        Encoder.tokenizer = load_tokenizer(self.args)
 
     def encode(self, numbered_line: Tuple[int, bytes]) -> Tuple[int, Optional[Dict], str, int]:
         """``(line_no, ids per key or None, skip reason, input bytes)``."""
@@ -77,6 +107,10 @@ class Encoder:
             return line_no, None, reason, len(raw)
         ids = {}
         for key, text in texts.items():
+            if self.args.tokenizer_type == "NullTokenizer":
+                reason = null_tokenizer_problem(text, self.args.vocab_size)
+                if reason:
+                    return line_no, None, f"key {key!r}: {reason}", len(raw)
             ids[key] = self.tokenizer.tokenize(text)
             if not ids[key]:
                 return line_no, None, f"text in key {key!r} has no tokens", len(raw)
@@ -86,8 +120,18 @@ class Encoder:
 
 
 def numbered_lines(path: str) -> Iterator[Tuple[int, bytes]]:
-    with open_input(path) as stream:
-        yield from enumerate(stream, start=1)
+    """Lines of ``path``; a file that cannot be read to its end (a corrupt or truncated ``.gz``)
+    raises one ``ToolError``."""
+    line_no = 0
+    try:
+        with open_input(path) as stream:
+            for line_no, raw in enumerate(stream, start=1):
+                yield line_no, raw
+    except (OSError, EOFError, zlib.error) as err:
+        hint = ("it is corrupt, truncated or not gzip: re-compress or re-download it, or pass "
+                "the uncompressed file as --input") if path.endswith(".gz") else "check the file"
+        raise ToolError(f"--input {path!r} cannot be read at line {line_no + 1} "
+                        f"({type(err).__name__}: {err}); {hint}") from None
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -127,33 +171,9 @@ def output_prefix_for_key(output_prefix: str, key: str) -> str:
     return f"{output_prefix}_{key}_document"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = get_args(argv)
-    # Imported after argument checks: importing megatron.core takes seconds.
-    from megatron.core.datasets.indexed_dataset import (
-        DType,
-        IndexedDatasetBuilder,
-        get_bin_path,
-        get_idx_path,
-    )
-
-    encoder = Encoder(args)
-    encoder.initializer()
-    dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
-    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
-
-    # Write under temporary names so an interrupted run never leaves a readable partial dataset.
-    final_paths = {
-        key: (get_bin_path(output_prefix_for_key(args.output_prefix, key)),
-              get_idx_path(output_prefix_for_key(args.output_prefix, key)))
-        for key in args.json_keys
-    }
-    tmp_suffix = f".tmp{os.getpid()}"
-    builders = {
-        key: IndexedDatasetBuilder(bin_path + tmp_suffix, dtype=dtype)
-        for key, (bin_path, _) in final_paths.items()
-    }
-
+def add_documents(args: argparse.Namespace, encoder: Encoder, builders: Dict,
+                  start: float) -> Tuple[int, int, List[Tuple[int, str]]]:
+    """Tokenize ``--input`` into ``builders`` (one per key); ``(documents, tokens, skipped)``."""
     pool = None
     if args.workers > 1:
         pool = multiprocessing.Pool(args.workers, initializer=encoder.initializer)
@@ -161,7 +181,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     else:
         results = map(encoder.encode, numbered_lines(args.input))
 
-    start = time.time()
     num_docs = num_tokens = num_bytes = 0
     skipped: List[Tuple[int, str]] = []
     try:
@@ -188,14 +207,35 @@ def main(argv: Optional[List[str]] = None) -> int:
         if pool is not None:
             pool.terminate()
             pool.join()
+    return num_docs, num_tokens, skipped
 
-    for key, (bin_path, idx_path) in final_paths.items():
-        builders[key].finalize(idx_path + tmp_suffix)
-        for path in (bin_path, idx_path):
-            if num_docs > 0:
-                os.replace(path + tmp_suffix, path)
-            else:
-                os.remove(path + tmp_suffix)
+
+@reports_errors
+def main(argv: Optional[List[str]] = None) -> int:
+    args = get_args(argv)
+    # Imported after argument checks: importing megatron.core takes seconds.
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    encoder = Encoder(args)
+    encoder.initializer()
+    dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
+    record = tokenizer_record(args, encoder.tokenizer)
+    os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)
+
+    # Write under temporary names so that an interrupted or failed run never leaves a readable
+    # partial dataset, nor any temporary file.
+    files = {key: dataset_files(output_prefix_for_key(args.output_prefix, key))
+             for key in args.json_keys}
+    start = time.time()
+    with Staged(path for paths in files.values() for path in paths) as staged:
+        builders = {key: IndexedDatasetBuilder(staged.tmp[bin_path], dtype=dtype)
+                    for key, (bin_path, _, _) in files.items()}
+        num_docs, num_tokens, skipped = add_documents(args, encoder, builders, start)
+        for key, (_, idx_path, sidecar_path) in files.items():
+            builders[key].finalize(staged.tmp[idx_path])
+            write_sidecar(staged.tmp[sidecar_path], record)
+        if num_docs > 0:
+            staged.publish()
 
     elapsed = max(time.time() - start, 1e-9)
     print(
