@@ -6,8 +6,19 @@ in (already rotated with global positions), `[s/P, b, H*d]` out, exactly what me
 `SelfAttention` hands to and expects from `core_attention`. In between, the local backend sees
 every token for H/P heads, so the plain causal mask (or the packed documents' global
 `cu_seqlens`) is the whole story.
+
+Attention dropout runs under the RNG tracker's model-parallel stream, which `megatron_ulysses.rng`
+seeds per (TP, SP, PP) rank after the model build, so each head group draws its own masks:
+UlyssesAttention forks it for every backend, except under --sequence-parallel, where
+megatron-core's transformer block already runs under it (as megatron-core's own attention, which
+forks only without --sequence-parallel; a fork nested inside the block's would not replay the
+forward's masks in activation recompute, which restores the tracker's states but not the open
+fork).
 """
 
+import contextlib
+
+from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 
 from . import parallel_state as ps
@@ -38,6 +49,8 @@ class UlyssesAttention(MegatronModule):
         self.num_heads = heads // self.sp_size
         self.num_kv_heads = max(groups, self.sp_size) // self.sp_size
         self.backend = resolve_backend(backend)
+        self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.fork_dropout_rng = not config.sequence_parallel  # else the block runs under it
         self.local_attention = build_local_attention(
             self.backend, config, layer_number, self.num_heads, self.num_kv_heads,
             softmax_scale, attention_dropout,
@@ -74,10 +87,20 @@ class UlyssesAttention(MegatronModule):
             f"query has {query.shape[2]} heads, expected {self.num_heads * self.sp_size}"
         )
         if self.sp_size == 1:
-            out = self.local_attention(query, key, value, cu_seqlens, max_seqlen)
+            with self._dropout_rng():
+                out = self.local_attention(query, key, value, cu_seqlens, max_seqlen)
             return out.reshape(s_local, b, -1)
         q, k, v = qkv_to_head_sharded(query, key, value, self.sp_group)
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(q.device)
-        out = self.local_attention(q, k, v, cu_seqlens, max_seqlen)
+        with self._dropout_rng():
+            out = self.local_attention(q, k, v, cu_seqlens, max_seqlen)
         return output_to_sequence_sharded(out, self.sp_group)
+
+    def _dropout_rng(self):
+        """This head group's dropout stream, the tracker's model-parallel-rng (per TP x SP x PP
+        rank), whatever the backend; under --sequence-parallel the block has it in place
+        already, and without dropout there is nothing to draw."""
+        if self.training and self.dropout > 0 and self.fork_dropout_rng:
+            return tensor_parallel.get_cuda_rng_tracker().fork()
+        return contextlib.nullcontext()

@@ -9,6 +9,12 @@ rank now holds all `s` tokens) bounds the documents and attention never crosses 
     sdpa   torch scaled_dot_product_attention (native GQA, enable_gqa=True; packed documents run
            one causal call per document)
     local  megatron-core's DotProductAttention (unfused reference; packed documents as a mask)
+
+Attention dropout draws from the stream in place: UlyssesAttention calls the backends under the
+RNG tracker's model-parallel-rng, seeded per head group (`megatron_ulysses.rng`), or, under
+--sequence-parallel, inside megatron-core's block, which runs under it. megatron-core's attention
+and TE's (given `get_rng_state_tracker`) fork that same stream, but, told `sequence_parallel`,
+not again inside the block (activation recompute would not replay a nested fork's masks).
 """
 
 import copy
@@ -145,6 +151,9 @@ class TEAttention(torch.nn.Module):
             attn_mask_type="causal",
             layer_number=layer_number,
             softmax_scale=softmax_scale,
+            # As megatron-core's TEDotProductAttention: fork the tracker's model-parallel-rng,
+            # except inside a --sequence-parallel block, which already runs under it.
+            sequence_parallel=config.sequence_parallel,
             get_rng_state_tracker=tensor_parallel.get_cuda_rng_tracker if dropout > 0 else None,
         )
 

@@ -33,11 +33,16 @@ def _cpu_rng_tracker_class():
     from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
 
     class CpuRNGStatesTracker(CudaRNGStatesTracker):
-        """Same contract as megatron-core's tracker, over CPU generator states."""
+        """Same contract as megatron-core's tracker, over CPU generator states: unique seeds,
+        and a fork inside a fork continues the outer fork's stream instead of replaying it."""
 
         def add(self, name, seed):
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
             if name in self.states_:
                 raise Exception(f"cpu rng state {name} already exists")
+            self._is_initialized = True
+            self.seeds_.add(seed)
             orig = torch.get_rng_state()
             torch.manual_seed(seed)
             self.states_[name] = torch.get_rng_state()
@@ -47,13 +52,21 @@ def _cpu_rng_tracker_class():
         def fork(self, name="model-parallel-rng"):
             if name not in self.states_:
                 raise Exception(f"cpu rng state {name} is not added")
-            orig = torch.get_rng_state()
+            # As megatron-core's fork: the generator holds the current fork's state, so an inner
+            # fork first stores it, and restores the outer one's latest state on exit.
+            orig, orig_name = torch.get_rng_state(), self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig
             torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
             try:
                 yield
             finally:
                 self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig = self.states_[orig_name]
                 torch.set_rng_state(orig)
+                self._current_state_name = orig_name
 
     return CpuRNGStatesTracker
 

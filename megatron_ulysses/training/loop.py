@@ -30,6 +30,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
+from .. import rng
 from ..data.datasets import (
     build_data_iterator,
     build_train_valid_test_datasets,
@@ -80,7 +81,7 @@ def initialize_distributed(args) -> None:
     start_process_group(args.distributed_backend, args.distributed_timeout_minutes)
     ps.initialize_model_parallel(args.tensor_model_parallel_size,
                                  args.pipeline_model_parallel_size, args.ulysses_sp_size)
-    cpu_compat.model_parallel_manual_seed(args.seed)
+    rng.seed_dropout_streams(args.seed)  # per SP rank and stage; build_model seeds its own
 
 
 def transformer_config(args) -> TransformerConfig:
@@ -127,17 +128,17 @@ def transformer_config(args) -> TransformerConfig:
 def build_model(args, config):
     """The Ulysses GPTModel (in `Float16Module` for bf16/fp16) wrapped in megatron-core DDP,
     which reduces over DP x SP."""
-    torch.manual_seed(args.seed)  # identical initial weights on every DP x SP rank
-    model = build_gpt_model(
-        config, args.padded_vocab_size, args.max_position_embeddings,
-        backend=args.ulysses_attention_backend,
-        pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-        tiled_mlp_shards=args.tiled_mlp_shards, tiled_loss_shards=args.tiled_loss_shards,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
-    )
+    with rng.weight_init_streams(args.seed):  # identical initial weights on every DP x SP rank
+        model = build_gpt_model(
+            config, args.padded_vocab_size, args.max_position_embeddings,
+            backend=args.ulysses_attention_backend,
+            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+            tiled_mlp_shards=args.tiled_mlp_shards, tiled_loss_shards=args.tiled_loss_shards,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            position_embedding_type=args.position_embedding_type,
+            rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+        )
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     if args.offload_activations:
