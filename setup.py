@@ -11,8 +11,13 @@ setup(
         "megatron-core>=0.16,<0.20",
         "sentencepiece",
         "numpy",
+        "psutil",  # megatron-core's dist_checkpointing imports it when it saves
         "tensorboard",  # --tensorboard-dir
         "matplotlib",  # tools/plot_run.py (the quickstart draws its loss curve)
+        # megatron-core >= 0.17 (what pip picks on Python >= 3.12) imports triton from
+        # `import megatron.core` on; CUDA builds of torch bring it, CPU-only builds do not.
+        "triton; python_version >= '3.12' and platform_system == 'Linux'"
+        " and platform_machine == 'x86_64'",
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],

@@ -2,7 +2,8 @@
 # The GPU suite on one GPU (the lent H200): TE, megatron-core 0.19, NCCL and gloo-on-CUDA.
 # Prepare TE first (../shared/device/prepare_te.sh; its header says how), then, on the GPU machine:
 #     . .te6/install_te.sh && bash tests/gpu/run.sh
-# Writes $OUT (default runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json;
+# Writes $OUT (default runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json,
+# run_logs.tgz (each trainer run's log);
 # tests/gpu/LAST_RUN.md is written from them. About 5 minutes on an H200.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -12,8 +13,12 @@ mkdir -p "$OUT"
 export GPU_TEST_REPORT=$OUT/report.jsonl
 rm -f "$GPU_TEST_REPORT"
 start=$(date +%s)
-python3 -m pytest -q -rA -p no:cacheprovider tests/gpu "$@" 2>&1 | tee "$OUT/pytest.log"
+rm -rf "$OUT/tmp"
+python3 -m pytest -q -rfE -p no:cacheprovider --basetemp="$OUT/tmp" tests/gpu "$@" 2>&1 \
+    | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
+# every trainer run's log, without the checkpoints
+(cd "$OUT/tmp" && find . -name log.txt | tar czf ../run_logs.tgz -T -) && rm -rf "$OUT/tmp"
 python3 - "$OUT/versions.json" "$(( $(date +%s) - start ))" <<'PY'
 import json, sys, torch
 versions = {"wall_s": int(sys.argv[2]), "torch": torch.__version__, "cuda": torch.version.cuda,

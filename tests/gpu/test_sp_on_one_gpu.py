@@ -9,7 +9,7 @@ sub-groups work on CUDA). The only check of the TE path at P > 1 until multi-GPU
   at DP 2 x SP 2 and SP 4 equal the same model at SP = 1, in bf16 and in fp32; also on packed
   documents (THD) and with TiledMLP + tiled loss.
 
-Tolerances: bf16 compares a relative norm error ||x - ref|| / ||ref||, fp32 element-wise.
+Tolerances: relative norm errors ||x - ref|| / ||ref|| per tensor (bf16 2e-2, fp32 2e-3).
 """
 
 import json
@@ -37,7 +37,8 @@ V, HIDDEN, HEADS, GROUPS, FFN, B, S = 512, 256, 8, 2, 512, 2, 256
 EOD, PAD, SEED = 1, 0, 1234
 # Observed on the H200 (see tests/gpu/LAST_RUN.md): bf16 relative norm errors <= ~4e-3.
 BF16_REL = 2e-2
-FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+# fp32: TE's GEMMs may run in TF32 on Hopper, so fp32 is compared the same way, tighter.
+FP32_REL = 2e-3
 
 
 def _report(**values):
@@ -207,20 +208,15 @@ def _model_case(dtype, packed, tiled):
             dist.all_reduce(tokens, group=mpu.get_data_parallel_group())  # DP x SP
             assert tokens.item() == total[1].item()
             loss_err = abs(loss - ref_loss) / abs(ref_loss)
+            tol = BF16_REL if dtype == torch.bfloat16 else FP32_REL
             worst["loss"] = max(worst["loss"], loss_err)
             for name, param in model.named_parameters():
                 grad = param.grad.detach().float().clone()
                 dist.all_reduce(grad, group=mpu.get_data_parallel_group())
                 expected = sum(g[name] for g in grads[:dims.dp])
-                if dtype == torch.bfloat16:
-                    err = _rel(grad, expected)
-                    worst["grad"] = max(worst["grad"], err)
-                    assert err < BF16_REL, (label, sp, name, err)
-                else:
-                    torch.testing.assert_close(grad / tokens, expected / total[1], **FP32_TOL,
-                                               msg=f"{label} SP{sp}: grad {name}")
-                    worst["grad"] = max(worst["grad"], _rel(grad, expected))
-            tol = BF16_REL if dtype == torch.bfloat16 else 1e-5
+                err = _rel(grad, expected)
+                worst["grad"] = max(worst["grad"], err)
+                assert err < tol, (label, sp, name, err)
             assert loss_err < tol, (label, sp, loss, ref_loss)
         finally:
             ps.destroy_model_parallel()

@@ -46,7 +46,7 @@ RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "-
 MOCK = ["--mock-data", "--vocab-size", "2048"]
 DETERMINISTIC = ["--deterministic-mode", "--use-distributed-optimizer"]
 
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \|.*\| loss scale: (\S+) "
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \| loss scale: (\S+) "
                        r"\| grad norm: (\S+) \|.*number of skipped iterations:\s+(\d+)")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 # Observed on the H200 (bf16): backends within 0.3% at iteration 1 and 1.5% over 8 iterations.
@@ -87,7 +87,7 @@ class Run:
     @property
     def iterations(self):
         """iteration -> (lm loss, loss scale, grad norm, skipped), as logged."""
-        return {int(i): (float(l), float(s), float(g), int(k))
+        return {int(i): (float(l), float(s), float("nan") if g == "n/a" else float(g), int(k))
                 for i, l, s, g, k in ITERATION.findall(self.output)}
 
     @property
