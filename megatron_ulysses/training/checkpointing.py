@@ -1,38 +1,78 @@
-"""Checkpoints with megatron-core `dist_checkpointing`: model, optimizer, LR scheduler, RNG,
-iteration, consumed samples and args.
+"""Checkpoints with megatron-core `dist_checkpointing` (torch_dist): model, optimizer, LR scheduler,
+every rank's RNG states, iteration, consumed samples and the model arguments.
 
 Layout (Megatron-LM's): `<save>/iter_0000100/` and `<save>/latest_checkpointed_iteration.txt`.
-A save goes to `iter_0000100.tmp/`, is renamed when every rank has finished, and only then is the
-"latest" marker replaced (write + rename): a crash at any point leaves the last good checkpoint
-loadable. Tensors are stored unsharded-by-layout, so a run can resume with another
+
+Durability. A save goes to `iter_0000100.tmp/`; when every rank has written, each rank fsyncs the
+shard files it wrote (`__<rank>_*.distcp`) and rank 0 the other files and the directories; then
+rank 0 renames an existing `iter_0000100/` aside (`.old`), renames the new one in, fsyncs `<save>`,
+replaces the tracker (write, fsync, rename, fsync) and only then deletes the old directory. A
+crash at any point leaves the tracker pointing at a complete checkpoint: in the one window where
+`iter_0000100/` is missing (between the two renames) the loader takes `iter_0000100.old/`.
+
+Safety: `--load` never runs code from the checkpoint. Everything this package stores besides
+tensors is a plain value (int, float, str, bool, None, lists, dicts): RNG states are tensors, the
+iteration, samples, arguments and the scheduler state are JSON-able. Before megatron-core reads
+anything, every file it would unpickle is checked with a restricted unpickler that admits only
+tensors, plain containers and torch.distributed.checkpoint's metadata classes, for both
+megatron-core 0.16 and 0.19:
+  * `.metadata` (and any rank-local `__<rank>.metadata`): `pickle.load` in DCP's FileSystemReader;
+  * every BytesIO item those files list (ShardedObjects: the common state in 0.19, layers'
+    `_extra_state`, anything planted), read from `*.distcp` and unpickled by DCP's
+    `load_bytes` with `torch.load(weights_only=False)`;
+  * `common.pt` (0.16's common state; 0.19 still loads one if it exists) and any other `*.pt`
+    (0.16's per-object files), read with `torch.load`;
+  * `metadata.json` (JSON, no code) must name the torch_dist backend.
+Tensor items of `*.distcp` are read by DCP with `torch.load(weights_only=True)`. After the load,
+non-empty `_extra_state` byte tensors (Transformer Engine unpickles them) get the same check.
+Anything else is refused with one `ConfigError` naming `--load` and the offending file.
+
+RNG: each rank saves its own torch CPU, CUDA, megatron-core tracker, python `random` and numpy
+states as tensors (one row per rank). A load with the same world size, TP, PP and SP restores each
+rank's own; at another layout (another --ulysses-sp-size or data-parallel size) the RNG states are
+not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
+
+Model tensors are stored unsharded-by-layout, so a run can resume with another
 `--ulysses-sp-size` or data-parallel size (TP and PP must match).
 """
 
+import collections
+import errno
+import io
+import json
 import os
+import pickle
 import random
+import re
 import shutil
+import zipfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
-from megatron.core import parallel_state as mpu
-from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+from .. import parallel_state as ps
+from .arguments import ConfigError
 from .logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
+FORMAT_VERSION = 2  # 2: RNG states as per-rank tensors, no pickled objects
 # The distributed optimizer's canonical, per-parameter layout: it loads at any DP x SP size (SP
 # lives inside megatron-core's DP, so a new --ulysses-sp-size changes DP'). megatron-core 0.19's
 # default, fully_sharded_model_space, is deprecated there and fails to save; dp_reshardable
 # reshards over DP only with the same bucket layout. `CpuAdamW` takes and ignores it.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
-# Args that must match between the checkpoint and the run that loads it.
-_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+# Args that change parameter shapes or their meaning: they must match between the checkpoint
+# and the run that loads it (max_position_embeddings only with learned absolute positions).
+_MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "kv_channels", "padded_vocab_size",
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
-               "position_embedding_type", "swiglu", "normalization",
-               "untie_embeddings_and_output_weights", "disable_bias_linear")
+               "position_embedding_type", "rotary_percent", "swiglu", "normalization",
+               "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear")
+_SAVED_ARGS = _MODEL_ARGS + ("max_position_embeddings", "rotary_base")
+_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -40,120 +80,494 @@ def checkpoint_dir(root: str, iteration: int) -> str:
 
 
 def read_tracker(root: str):
-    """The iteration in `root`'s "latest" marker, or None."""
+    """The iteration in `root`'s "latest" marker, or None when there is no marker."""
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        text = f.read().strip()
-    if not text.isdigit():
-        raise ValueError(f"--load: {path} holds {text!r}, expected an iteration number")
+    with open(path, "rb") as f:
+        raw = f.read(64)
+    text = raw.decode("ascii", errors="replace").strip()
+    if not text.isascii() or not text.isdigit():
+        raise ConfigError(f"--load {root}: {path} holds {raw[:32]!r}, not an iteration number; "
+                          "fix or delete it (without it the run trains from scratch)")
     return int(text)
 
 
-def _rng_state():
-    """This rank's RNG states as a ShardedObject: one per (PP, TP) position, DP x SP replicas."""
-    state = {
-        "random": random.getstate(),
-        "np": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+# --- restricted unpickling --------------------------------------------------------------------
+
+class _Refused(Exception):
+    """What a checked pickle holds that is not allowed."""
+
+
+class _Stub:
+    """Stands for a tensor or storage while a torch payload is checked: nothing is rebuilt."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+
+def _stub(*args, **kwargs):
+    return _Stub()
+
+
+def _dcp_classes() -> dict:
+    """torch.distributed.checkpoint's metadata classes (those this torch version has)."""
+    from torch.distributed.checkpoint import filesystem, metadata, planner
+
+    names = {
+        metadata: ("Metadata", "StorageMeta", "MetadataIndex", "BytesStorageMetadata",
+                   "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
+                   "_MEM_FORMAT_ENCODING"),
+        planner: ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
+                  "BytesIOWriteData"),
+        filesystem: ("_StorageInfo", "_StoragePrefix"),
     }
-    pp, tp = mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank()
-    return ShardedObject("rng_state", state,
-                         (mpu.get_pipeline_model_parallel_world_size(),
-                          mpu.get_tensor_model_parallel_world_size()),
-                         (pp, tp), replica_id=mpu.get_data_parallel_rank())
+    return {(module.__name__, name): getattr(module, name)
+            for module, attrs in names.items() for name in attrs if hasattr(module, name)}
 
 
-def _set_rng_state(state) -> None:
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+_PLAIN = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+}
+# torch.save's tensor pickles: checked with stubs, so no rebuild code runs while checking.
+_TENSOR_REBUILD = {("torch._utils", "_rebuild_tensor_v2"): _stub}
 
 
-def _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
-                        is_loading, with_optimizer=True, with_rng=True):
+class _RestrictedUnpickler(pickle.Unpickler):
+    """Builds only allowed globals; `storages` admits torch.save's storage references."""
+
+    def __init__(self, file, allowed: dict, storages: bool):
+        super().__init__(file)
+        self._allowed = allowed
+        self._storages = storages
+
+    def find_class(self, module, name):
+        if (module, name) in self._allowed:
+            return self._allowed[(module, name)]
+        if module == "torch":
+            value = torch.__dict__.get(name)  # dtypes, layouts, memory formats: plain values
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+            if self._storages and name.endswith("Storage") and isinstance(value, type):
+                return _Stub
+        raise _Refused(f"a pickled {module}.{name}")
+
+    def persistent_load(self, pid):
+        if (self._storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                and pid[1] is _Stub and all(isinstance(x, str) for x in pid[2:4])
+                and isinstance(pid[4], int)):
+            return _Stub()
+        raise _Refused(f"a pickled persistent reference {str(pid)[:80]!r}")
+
+
+def _unpickle(data: bytes, allowed: dict, storages: bool = False):
+    return _RestrictedUnpickler(io.BytesIO(data), allowed, storages).load()
+
+
+def _check_torch_payload(data: bytes) -> None:
+    """A `torch.save` zip: every pickle in it may hold only tensors and plain values."""
+    if not data.startswith(b"PK\x03\x04"):  # torch.load's own test for its zip format
+        raise _Refused("a legacy (non-zip) torch.save pickle")
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        if any(os.path.basename(n) == "constants.pkl" for n in names):
+            raise _Refused("a TorchScript archive")
+        pickles = [n for n in names if n.endswith(".pkl")]
+        if not any(os.path.basename(n) == "data.pkl" for n in pickles):
+            raise _Refused("a zip without data.pkl")
+        for name in pickles:
+            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD}, storages=True)
+
+
+def _refusal(path: str, file: str, what: str, where: str = "") -> ConfigError:
+    origin = ("saved before megatron_ulysses stored RNG states as tensors (they held pickled "
+              "numpy arrays), not written by it, or tampered with") if "'rng_state/" in where \
+        else "not written by megatron_ulysses or tampered with"
+    return ConfigError(
+        f"--load {path}: refusing to load {file}{where}: it holds {what}, and unpickling it "
+        "could run code. Checkpoints may hold only tensors and plain values (numbers, strings, "
+        f"lists, dicts); this one was {origin}")
+
+
+def _corrupt(path: str, file: str, error, where: str = "") -> ConfigError:
+    return ConfigError(f"--load {path}: {file}{where} is not a valid checkpoint file "
+                       f"({type(error).__name__}: {error})")
+
+
+def _checked(path, file, check, data, where=""):
+    try:
+        return check(data)
+    except _Refused as refused:
+        raise _refusal(path, file, str(refused), where) from None
+    except Exception as error:  # truncated or garbage: never reaches the real unpickler
+        raise _corrupt(path, file, error, where) from None
+
+
+def _check_bytes_items(path: str, metadata_file: str, metadata) -> None:
+    """Every BytesIO item `metadata_file` lists (DCP unpickles them with weights_only=False)."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
+
+    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
+            and isinstance(metadata.storage_data, dict)):
+        raise _corrupt(path, metadata_file, TypeError("not a torch.distributed.checkpoint "
+                                                      "Metadata"))
+    base = os.path.dirname(metadata_file)
+    items = collections.defaultdict(list)
+    for index, info in metadata.storage_data.items():
+        fqn = getattr(index, "fqn", None)
+        if isinstance(metadata.state_dict_metadata.get(fqn), BytesStorageMetadata) or \
+                fqn not in metadata.state_dict_metadata:
+            relative = getattr(info, "relative_path", None)
+            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+            if not (isinstance(relative, str) and relative and os.path.basename(relative) ==
+                    relative and relative not in (".", "..") and isinstance(offset, int)
+                    and isinstance(length, int) and offset >= 0 and length >= 0):
+                raise _corrupt(path, metadata_file,
+                               ValueError(f"bad storage entry for {fqn!r}: {info!r}"))
+            if getattr(info, "transform_descriptors", None):
+                raise ConfigError(f"--load {path}: {metadata_file} stores {fqn!r} through "
+                                  f"stream transforms {info.transform_descriptors!r}, which "
+                                  "this package neither writes nor checks; refusing to load")
+            items[relative].append((offset, length, fqn))
+    for relative, entries in items.items():
+        file = os.path.join(base, relative)
+        if not os.path.isfile(file):
+            raise _corrupt(path, metadata_file, FileNotFoundError(f"{file} is missing"))
+        size = os.path.getsize(file)
+        with open(file, "rb") as stream:
+            for offset, length, fqn in sorted(entries):
+                where = f" (item {fqn!r}, bytes {offset}..{offset + length})"
+                if offset + length > size:
+                    raise _corrupt(path, file, EOFError(f"the file has {size} bytes"), where)
+                stream.seek(offset)
+                _checked(path, file, _check_torch_payload, stream.read(length), where)
+
+
+def check_checkpoint_files(path: str) -> None:
+    """Raise `ConfigError` unless every file megatron-core would unpickle from the checkpoint
+    directory `path` holds only tensors and plain values (see the module docstring)."""
+    config_file = os.path.join(path, "metadata.json")
+    try:
+        with open(config_file, "rb") as f:
+            config = json.loads(f.read(1 << 16))
+    except FileNotFoundError:
+        raise ConfigError(f"--load {path} is not a torch_dist checkpoint: it has no "
+                          "metadata.json") from None
+    except ValueError as error:
+        raise _corrupt(path, config_file, error) from None
+    if not (isinstance(config, dict) and config.get("sharded_backend") == "torch_dist"
+            and config.get("common_backend", "torch") == "torch"):
+        raise ConfigError(f"--load {path}: {config_file} holds {str(config)[:200]}; only "
+                          "torch_dist checkpoints (sharded_backend torch_dist) can be loaded")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ConfigError(f"--load {path} is not a complete torch_dist checkpoint: it has no "
+                          ".metadata file")
+    dcp_allowed = {**_PLAIN, **_dcp_classes(),
+                   ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
+    for directory, _, files in os.walk(path):
+        for name in sorted(files):
+            file = os.path.join(directory, name)
+            if name.endswith(".metadata"):
+                with open(file, "rb") as f:
+                    metadata = _checked(path, file, lambda d: _unpickle(d, dcp_allowed),
+                                        f.read())
+                _check_bytes_items(path, file, metadata)
+            elif name.endswith(".pt"):
+                with open(file, "rb") as f:
+                    _checked(path, file, _check_torch_payload, f.read())
+
+
+def _check_extra_states(path: str, state, prefix: str = "") -> None:
+    """Transformer Engine unpickles non-empty `_extra_state` byte tensors (pickle.loads) in
+    load_state_dict: they may hold only plain values too."""
+    items = state.items() if isinstance(state, dict) else \
+        enumerate(state) if isinstance(state, (list, tuple)) else ()
+    for key, value in items:
+        name = f"{prefix}{key}"
+        if isinstance(value, (dict, list, tuple)):
+            _check_extra_states(path, value, name + ".")
+        elif name.endswith("_extra_state") and isinstance(value, torch.Tensor) \
+                and value.dtype == torch.uint8 and value.numel() > 0:
+            data = value.detach().cpu().contiguous().numpy().tobytes()
+            _checked(path, f"{path} (model {name})", lambda d: _unpickle(d, _PLAIN), data)
+
+
+# --- RNG states ---------------------------------------------------------------------------------
+
+def _generator_state(state) -> torch.Tensor:
+    return state.get_state() if isinstance(state, torch.Generator) else state
+
+
+def _rng_tensors() -> dict:
+    """This rank's RNG states, every one a CPU tensor."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    assert kind == "MT19937", kind
+    states = {
+        "python": torch.tensor([version, *internal, gauss is not None], dtype=torch.int64),
+        "python_gauss": torch.tensor([0.0 if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.tolist(), pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    for name, state in tensor_parallel.get_cuda_rng_tracker().get_states().items():
+        states[f"tracker.{name}"] = _generator_state(state)
+    return {name: tensor.detach().cpu().clone() for name, tensor in states.items()}
+
+
+def _set_rng_tensors(states: dict) -> None:
+    python = [int(x) for x in states["python"].tolist()]
+    random.setstate((python[0], tuple(python[1:-1]),
+                     float(states["python_gauss"][0]) if python[-1] else None))
+    numpy = [int(x) for x in states["numpy"].tolist()]
+    np.random.set_state(("MT19937", np.array(numpy[:-2], dtype=np.uint32), numpy[-2],
+                         numpy[-1], float(states["numpy_gauss"][0])))
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    tracker = tensor_parallel.get_cuda_rng_tracker()
+    current = tracker.get_states()
+    for name in current:
+        state = states[f"tracker.{name}"]
+        if isinstance(current[name], torch.Generator):
+            current[name].set_state(state)
+        else:
+            current[name] = state
+    tracker.set_states(current)
+
+
+def _rng_layout(states: dict) -> dict:
+    """What must match for every rank to restore its own RNG states (JSON-able)."""
+    dims = ps.get_parallel_dims()
+    return {"world_size": dims.world_size, "tp": dims.tp, "pp": dims.pp, "sp": dims.sp,
+            "states": {name: list(tensor.shape) for name, tensor in sorted(states.items())}}
+
+
+def _rng_sharded(states: dict) -> dict:
+    """One row per rank: `rng_state.<name>` has shape [world size, *state shape]."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    return {name: ShardedTensor.from_rank_offsets(f"rng_state.{name}", tensor.unsqueeze(0),
+                                                  (0, rank, world), replica_id=0)
+            for name, tensor in states.items()}
+
+
+def _describe(layout: dict) -> str:
+    dp = layout["world_size"] // (layout["tp"] * layout["pp"] * layout["sp"])
+    return (f"world {layout['world_size']} = TP {layout['tp']} x PP {layout['pp']} x "
+            f"DP {dp} x Ulysses SP {layout['sp']}")
+
+
+# --- save ---------------------------------------------------------------------------------------
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError as error:  # some file systems cannot fsync a directory
+        if not (directory and error.errno in (errno.EINVAL, errno.ENOTSUP, errno.EBADF)):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(staging: str, rank: int) -> None:
+    """Each rank fsyncs the shard files it wrote; rank 0 also every other file, then the
+    directories (deepest first)."""
+    directories = []
+    for directory, _, files in os.walk(staging):
+        directories.append(directory)
+        for name in files:
+            match = _SHARD_FILE.fullmatch(name)
+            if (int(match.group(1)) == rank) if match else rank == 0:
+                _fsync(os.path.join(directory, name))
+    if rank == 0:
+        for directory in reversed(directories):
+            _fsync(directory, directory=True)
+
+
+def _plain(value, what: str):
+    """`value`, checked to be JSON-able: what is stored besides tensors needs no pickled
+    objects to load."""
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"the checkpoint's {what} must hold only plain values: {error}") from None
+    return value
+
+
+def _sharded_state_dict(model, optimizer, scheduler, args, is_loading, with_optimizer=True,
+                        rng_states=None, common=None):
     model_sd = model.module.sharded_state_dict()
-    state = {"model": model_sd, "iteration": iteration, "consumed_samples": consumed_samples,
-             "args": {key: getattr(args, key) for key in _SHAPE_ARGS}}
+    state = {"model": model_sd, **(common or {})}
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                         metadata=OPTIMIZER_METADATA)
-        state["opt_param_scheduler"] = scheduler.state_dict()
-    if with_rng:
-        state["rng_state"] = _rng_state()
+                                                          metadata=OPTIMIZER_METADATA)
+        if not is_loading:
+            state["opt_param_scheduler"] = _plain(scheduler.state_dict(), "scheduler")
+    if rng_states is not None:
+        state["rng_state"] = _rng_sharded(rng_states)
     return state
+
+
+def _commit(root: str, iteration: int, staging: str) -> None:
+    """Rank 0: put the fsynced `staging` in place of `iter_<iteration>` and point the tracker
+    at it, so that the tracker always names a complete directory (the old one until the new one
+    is in; `load_checkpoint` takes `.old` in between)."""
+    final = checkpoint_dir(root, iteration)
+    old = final + ".old"
+    if os.path.isdir(final):
+        shutil.rmtree(old, ignore_errors=True)  # debris: `final` is the good copy
+        os.replace(final, old)  # 1. the old checkpoint aside
+    os.replace(staging, final)  # 2. the new one in
+    _fsync(root, directory=True)
+    tracker = os.path.join(root, TRACKER)
+    with open(tracker + ".tmp", "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tracker + ".tmp", tracker)
+    _fsync(root, directory=True)
+    shutil.rmtree(old, ignore_errors=True)  # 3. only now the old one goes
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
                     consumed_samples: int) -> None:
-    """Save atomically to `<root>/iter_<iteration>` and point the "latest" marker at it."""
-    final = checkpoint_dir(root, iteration)
-    staging = final + ".tmp"
-    if dist.get_rank() == 0:
+    """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it."""
+    staging = checkpoint_dir(root, iteration) + ".tmp"
+    rank = dist.get_rank()
+    if rank == 0:
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
         os.makedirs(staging)
     dist.barrier()
-    state = _sharded_state_dict(model, optimizer, scheduler, args, iteration, consumed_samples,
-                                is_loading=False)
+    rng_states = _rng_tensors()
+    common = _plain({
+        "format_version": FORMAT_VERSION, "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "args": {key: getattr(args, key) for key in _SAVED_ARGS},
+        "rng_layout": _rng_layout(rng_states),
+    }, "common state")
+    state = _sharded_state_dict(model, optimizer, scheduler, args, is_loading=False,
+                                rng_states=rng_states, common=common)
     dist_checkpointing.save(state, staging)
     dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(staging, final)
-        tracker = os.path.join(root, TRACKER)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tracker + ".tmp", tracker)
+    _fsync_tree(staging, rank)
     dist.barrier()
-    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final}")
+    if rank == 0:
+        _commit(root, iteration, staging)
+    dist.barrier()
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "
+                 f"{checkpoint_dir(root, iteration)}")
+
+
+# --- load ---------------------------------------------------------------------------------------
+
+def _flag(key: str) -> str:
+    if key == "padded_vocab_size":
+        return ("padded vocab size (from the tokenizer or --vocab-size, "
+                "--make-vocab-size-divisible-by and TP)")
+    return "--" + key.replace("_", "-")
+
+
+def _check_args(path: str, saved: dict, args) -> None:
+    keys = list(_MODEL_ARGS)
+    if args.position_embedding_type == "learned_absolute":
+        keys.append("max_position_embeddings")
+    missing = object()
+    mismatched = [(key, saved.get(key, missing), getattr(args, key)) for key in keys
+                  if saved.get(key, missing) != getattr(args, key)]
+    if mismatched:
+        details = "; ".join(
+            f"{_flag(key)}: checkpoint {'(not saved)' if a is missing else repr(a)}, "
+            f"this run {b!r}" for key, a, b in mismatched)
+        raise ConfigError(f"--load {path} was saved with another model or TP/PP layout: "
+                          f"{details}. Run with the checkpoint's values")
+    if args.position_embedding_type == "rope" and saved.get("rotary_base") not in \
+            (None, args.rotary_base):
+        print_rank_0(f" WARNING: --rotary-base {args.rotary_base} differs from the checkpoint's "
+                     f"{saved['rotary_base']} (--load {path})")
+
+
+def _checkpoint_path(root: str, iteration: int) -> str:
+    path = checkpoint_dir(root, iteration)
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(path + ".old"):  # a crash between the two renames of a re-save
+        print_rank_0(f" {path} is missing (a save was interrupted); loading {path}.old")
+        return path + ".old"
+    raise ConfigError(f"--load {root}: {TRACKER} names iteration {iteration}, but {path} does "
+                      "not exist; fix the tracker or --load another directory")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, args):
     """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
-    when there is none. `--finetune` loads the model only and restarts at 0."""
+    when there is none. `--finetune` loads the model only and restarts at 0. Every problem
+    with the checkpoint is one `ConfigError` naming --load."""
     iteration = read_tracker(root)
     if iteration is None:
         print_rank_0(f" WARNING: no checkpoint at --load {root} ({TRACKER} missing); "
                      "training from scratch")
         return 0, 0
-    path = checkpoint_dir(root, iteration)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--load: {TRACKER} points at {path}, which does not exist")
-    saved_args = dist_checkpointing.load_common_state_dict(path)["args"]
-    mismatched = {key: (saved_args[key], getattr(args, key)) for key in _SHAPE_ARGS
-                  if saved_args.get(key) != getattr(args, key)}
-    if mismatched:
-        details = ", ".join(f"{k}: checkpoint {a!r} vs run {b!r}" for k, (a, b) in
-                            mismatched.items())
-        raise ValueError(f"--load {path} was saved with a different model or TP/PP layout: "
-                         f"{details}")
+    path = _checkpoint_path(root, iteration)
+    check_checkpoint_files(path)  # before megatron-core unpickles anything
+    common = dist_checkpointing.load_common_state_dict(path)
+    if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
+        version = common.get("format_version") if isinstance(common, dict) else None
+        raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
+                          f"megatron_ulysses reads format {FORMAT_VERSION}")
+    saved_args = common.get("args")
+    _check_args(path, saved_args if isinstance(saved_args, dict) else {}, args)
+    saved_iteration = common.get("iteration")
+    if saved_iteration != iteration:
+        raise ConfigError(f"--load {path} holds iteration {saved_iteration}, but {TRACKER} "
+                          f"names {iteration}")
+    if not args.finetune and iteration > args.train_iters:
+        raise ConfigError(f"--train-iters ({args.train_iters}) is smaller than the iteration "
+                          f"of the checkpoint at --load {path} ({iteration}); give "
+                          f"--train-iters {iteration} or more (or --finetune)")
+
     with_optimizer = not (args.finetune or args.no_load_optim)
-    with_rng = not (args.finetune or args.no_load_rng)
-    state = _sharded_state_dict(model, optimizer, scheduler, args, 0, 0, is_loading=True,
-                                with_optimizer=with_optimizer, with_rng=with_rng)
+    rng_states = None
+    if not (args.finetune or args.no_load_rng):
+        rng_states = _rng_tensors()  # this run's names and shapes, overwritten by the load
+        saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
+        if saved_layout != layout:
+            if isinstance(saved_layout, dict) and all(
+                    saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
+                why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "
+                       f"this run's {sorted(layout['states'])}")
+            else:
+                try:
+                    why = f"it was saved at {_describe(saved_layout)}"
+                except (TypeError, KeyError, ZeroDivisionError):
+                    why = "it holds no usable RNG layout"
+            print_rank_0(f" WARNING: --load {path}: {why}, this run is {_describe(layout)}: "
+                         "RNG states are per rank and are not restored; this run keeps the "
+                         f"RNG states seeded from --seed {args.seed}")
+            rng_states = None
+    state = _sharded_state_dict(model, optimizer, scheduler, args, is_loading=True,
+                                with_optimizer=with_optimizer, rng_states=rng_states)
     loaded = dist_checkpointing.load(state, path)
+    _check_extra_states(path, loaded["model"])
     model.module.load_state_dict(loaded["model"])
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         try:
             scheduler.load_state_dict(loaded["opt_param_scheduler"])
         except AssertionError as error:  # megatron-core's check of flags vs checkpoint
-            raise ValueError(
+            raise ConfigError(
                 f"--load {path}: the LR schedule of the flags differs from the checkpoint's "
                 f"({error}); pass --override-opt_param-scheduler to use the flags or "
                 "--use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
-    if with_rng:
-        _set_rng_state(loaded["rng_state"])
-    print_rank_0(f" loaded checkpoint from {path} at iteration {loaded['iteration']}")
+    if rng_states is not None:
+        _set_rng_tensors({name: tensor[0] for name, tensor in loaded["rng_state"].items()})
+    print_rank_0(f" loaded checkpoint from {path} at iteration {iteration}")
     if args.finetune:
         return 0, 0
-    return loaded["iteration"], loaded["consumed_samples"]
+    return iteration, loaded["consumed_samples"]
