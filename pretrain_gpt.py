@@ -2,8 +2,9 @@
 
     torchrun --nproc-per-node 8 pretrain_gpt.py --ulysses-sp-size 8 <Megatron-LM flags>
 
-`python pretrain_gpt.py --help` lists every flag. A bad configuration exits with status 2 and one
-message naming the flag, before any process group exists.
+`python pretrain_gpt.py --help` lists every flag. A bad configuration, tokenizer or data set
+exits with status 2 and one message naming the flag, before any process group exists (token ids
+outside the vocabulary are found when a batch is read, and end the run the same way).
 """
 
 import os
@@ -12,27 +13,78 @@ import sys
 from megatron_ulysses.training.arguments import ConfigError, parse_args
 
 
-def _report(error: ConfigError) -> int:
+def _is_rank_0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _report(error: Exception) -> int:
     """Every rank finds the same configuration error; rank 0 says it."""
-    if os.environ.get("RANK", "0") == "0":
+    if _is_rank_0():
         print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
     return 2
+
+
+def _report_data_error(error: Exception, args) -> int:
+    """A bad batch is found only by the ranks that read it (one data-parallel replica, say):
+    the first rank of each such model replica says it; torchrun then stops the other ranks."""
+    from megatron_ulysses import parallel_state as ps
+
+    first_of_replica = True
+    try:
+        if ps.is_initialized():
+            from megatron.core import parallel_state as mpu
+
+            first_of_replica = (ps.get_ulysses_sp_rank() == 0
+                                and mpu.get_tensor_model_parallel_rank() == 0
+                                and mpu.get_pipeline_model_parallel_rank() == 0)
+    except (AssertionError, RuntimeError):  # the groups are gone: say it anyway
+        pass
+    if first_of_replica:
+        data = f" (--data-path {' '.join(args.data_path)})" if args.data_path else ""
+        print(f"pretrain_gpt.py: error: {error}{data}", file=sys.stderr)
+    return 2
+
+
+def check_inputs(args) -> None:
+    """The tokenizer and the data files, before any process group: a tokenizer file that does
+    not load, damaged `.idx`/`.bin` files, and a `--split` that gives a split no documents (which
+    megatron-core would try to fill forever). Raises `ConfigError`."""
+    from megatron_ulysses.data.datasets import check_data_path
+    from megatron_ulysses.data.tokenizers import build_tokenizer, check_for_training
+
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        check_for_training(tokenizer, args.tokenizer_type, args.tokenizer_model)
+    except (ValueError, ImportError, OSError, RuntimeError) as error:
+        raise ConfigError(str(error)) from None
+    if args.data_path:
+        try:
+            check_data_path(args.data_path, split=args.split)
+        except (ValueError, OSError) as error:
+            raise ConfigError(str(error)) from None
 
 
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
+        if _is_rank_0():
+            for warning in args.warnings:
+                print(f"pretrain_gpt.py: warning: {warning}", file=sys.stderr)
+        check_inputs(args)
     except ConfigError as error:
         return _report(error)
     import torch.distributed as dist
 
     from megatron_ulysses import parallel_state as ps
+    from megatron_ulysses.data.datasets import DataError
     from megatron_ulysses.training.loop import pretrain
 
     try:
         pretrain(args)
     except ConfigError as error:  # data or tokenizer files, checked before any collective
         return _report(error)
+    except DataError as error:  # a batch with token ids outside the vocabulary
+        return _report_data_error(error, args)
     finally:
         if ps.is_initialized():
             ps.destroy_model_parallel()

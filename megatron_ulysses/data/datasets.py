@@ -5,11 +5,24 @@ Every rank of one Ulysses SP group reads the same samples, so sampling is keyed 
 data-parallel rank/size; the sequence split happens later in ``sharding``.
 """
 
-from typing import Callable, Iterator, List, Optional, Sequence, Tuple
+import math
+import os
+import re
+import struct
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
+import numpy
 import torch
 
 from megatron_ulysses.data.tokenizers import TokenizerBase
+
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+class DataError(ValueError):
+    """Bad ``--data-path`` data (damaged files, token ids outside the vocabulary) or a ``--split``
+    that does not fit it. The message names the flag to change; ``pretrain_gpt.py`` prints it
+    as one line and exits with status 2."""
 
 
 def check_dataset_helpers() -> None:
@@ -79,7 +92,7 @@ def build_train_valid_test_datasets(
             f"give exactly one of --data-path (got {data_path!r}) and --mock-data "
             f"(got {mock_data})"
         )
-    blend = check_data_path(data_path) if data_path else None
+    blend = check_data_path(data_path, split=split) if data_path else None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
@@ -99,23 +112,186 @@ def build_train_valid_test_datasets(
     return tuple(builder.build())
 
 
-def check_data_path(data_path: List[str]) -> Tuple:
-    """Parse ``--data-path`` words into megatron-core's blend and check every prefix has its
-    ``.bin/.idx`` files; raises ``ValueError``/``FileNotFoundError`` naming the flag."""
+def parse_split(split: str) -> List[float]:
+    """``--split`` weights, e.g. ``"969,30,1"`` -> ``[969.0, 30.0, 1.0]``: one to three
+    non-negative decimals separated by ``,`` (or ``/``); missing weights are 0, as in
+    megatron-core, whose own parser silently drops signs and anything but digits and dots.
+    Raises ``ValueError`` naming ``--split``."""
+    parts = [part.strip() for part in re.split(r"[,/]", str(split))]
+    usage = ("give 1 to 3 non-negative train,valid,test weights separated by commas, e.g. "
+             "--split 969,30,1 or --split 99,1,0")
+    if not 1 <= len(parts) <= len(SPLIT_NAMES):
+        raise ValueError(f"--split {split!r} has {len(parts)} parts: {usage}")
+    if not all(re.fullmatch(r"\d+(\.\d*)?|\.\d+", part) for part in parts):
+        raise ValueError(f"--split {split!r} is not a list of non-negative numbers: {usage}")
+    weights = [float(part) for part in parts] + [0.0] * (len(SPLIT_NAMES) - len(parts))
+    if not all(math.isfinite(weight) for weight in weights) or sum(weights) <= 0:
+        raise ValueError(f"--split {split!r} gives every split weight 0: {usage}")
+    return weights
+
+
+def split_document_ranges(split: str, num_documents: int) -> List[Optional[Tuple[int, int]]]:
+    """The ``[begin, end)`` document range of each split (``None`` for a 0-weight split), as
+    megatron-core's ``BlendedMegatronDatasetBuilder`` cuts a ``GPTDataset`` out of an index of
+    ``num_documents`` sequences: its split matrix, then ``round(bookend * num_documents)``."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+    )
+    from megatron.core.datasets.utils import normalize
+
+    matrix = convert_split_vector_to_split_matrix(normalize(parse_split(split)))
+    return [None if bookends is None else
+            (int(round(bookends[0] * float(num_documents))),
+             int(round(bookends[1] * float(num_documents))))
+            for bookends in matrix]
+
+
+# megatron.core.datasets.indexed_dataset's .idx: magic, version <Q (1), dtype code <B, sequence
+# count <Q, document count <Q; then int32 sequence lengths, int64 sequence byte offsets into the
+# .bin, int64 document indices (first sequence of each document, then the sequence count) and,
+# for multimodal data only, int8 sequence modes.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER = struct.Struct("<9sQBQQ")
+_CHUNK = 1 << 22  # index entries checked at a time
+
+
+class IndexSummary(NamedTuple):
+    """What ``check_index`` read from a ``.idx``: ``sequence_lengths`` (int32, memory-mapped)
+    are what megatron-core's ``GPTDataset`` splits and samples, one per document."""
+    prefix: str
+    dtype: numpy.dtype
+    sequence_lengths: numpy.ndarray
+    documents: int
+    tokens: int
+
+
+def _damaged(prefix: str, problem: str) -> DataError:
+    return DataError(f"--data-path {prefix!r}: {problem}; re-create it with "
+                     "tools/preprocess_data.py or give another --data-path")
+
+
+def check_index(prefix: str) -> IndexSummary:
+    """Check that ``prefix.idx`` has megatron-core's layout and agrees with ``prefix.bin``
+    (megatron-core asserts, fails inside numpy, or reads past the end of the ``.bin`` in the
+    middle of training on damaged files, and cannot map an empty ``.bin``). Raises
+    ``DataError`` naming ``--data-path``."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise _damaged(prefix, f"{path} is not a regular file")
+    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    try:
+        with open(idx_path, "rb") as stream:
+            header = stream.read(_IDX_HEADER.size)
+    except OSError as error:
+        raise _damaged(prefix, f"cannot read {idx_path} ({error.strerror})") from None
+    if len(header) < _IDX_HEADER.size:
+        raise _damaged(prefix, f"{idx_path} is truncated ({idx_size} bytes, shorter than the "
+                               f"{_IDX_HEADER.size}-byte header)")
+    magic, version, code, sequences, doc_count = _IDX_HEADER.unpack(header)
+    if magic != _IDX_MAGIC:
+        raise _damaged(prefix, f"{idx_path} is not a megatron-core index (it starts with "
+                               f"{magic!r}, not {_IDX_MAGIC!r})")
+    codes = {dtype.value for dtype in DType}
+    if version != 1 or code not in codes:
+        raise _damaged(prefix, f"{idx_path} has index version {version} and dtype code {code} "
+                               f"(megatron-core reads version 1, dtype codes {min(codes)}-"
+                               f"{max(codes)})")
+    needed = _IDX_HEADER.size + 12 * sequences + 8 * doc_count
+    if idx_size not in (needed, needed + sequences):  # + sequences: multimodal modes
+        raise _damaged(prefix, f"{idx_path} is {idx_size} bytes but its header ({sequences} "
+                               f"documents, {doc_count} document indices) needs {needed}")
+    dtype = numpy.dtype(DType.dtype_from_code(code))
+    if sequences == 0 or doc_count < 2:
+        raise _damaged(prefix, f"it holds no documents ({idx_path} lists {sequences})")
+    offset = _IDX_HEADER.size
+    lengths = numpy.memmap(idx_path, numpy.int32, "r", offset, (sequences,))
+    pointers = numpy.memmap(idx_path, numpy.int64, "r", offset + 4 * sequences, (sequences,))
+    doc_indices = numpy.memmap(idx_path, numpy.int64, "r", offset + 12 * sequences, (doc_count,))
+    consistent = doc_indices[0] == 0 and doc_indices[-1] == sequences
+    tokens = 0
+    for start in range(0, sequences, _CHUNK):
+        chunk = lengths[start:start + _CHUNK].astype(numpy.int64)
+        starts = (tokens + numpy.cumsum(chunk) - chunk) * dtype.itemsize
+        consistent = consistent and bool((chunk >= 0).all()) and \
+            bool((pointers[start:start + _CHUNK] == starts).all())
+        tokens += int(chunk.sum())
+    for start in range(0, doc_count - 1, _CHUNK):
+        steps = numpy.diff(doc_indices[start:start + _CHUNK + 1])
+        consistent = consistent and bool((steps >= 0).all())
+    if not consistent:
+        raise _damaged(prefix, f"{idx_path} has inconsistent document indices, sequence lengths "
+                               "or sequence offsets")
+    if bin_size != tokens * dtype.itemsize:
+        raise _damaged(prefix, f"{bin_path} is {bin_size} bytes but {idx_path} says {tokens} "
+                               f"tokens x {dtype.itemsize} bytes = {tokens * dtype.itemsize}")
+    if tokens == 0:
+        raise _damaged(prefix, f"it holds no tokens ({sequences} empty documents)")
+    return IndexSummary(prefix, dtype, lengths, sequences, tokens)
+
+
+def check_split(split: str, index: IndexSummary) -> None:
+    """Every split with a positive ``--split`` weight must get documents and tokens: megatron-core
+    loops forever (``GPTDataset._get_num_epochs``) building a split of 0 tokens."""
+    ranges = split_document_ranges(split, index.documents)
+    counts = [0 if bounds is None else bounds[1] - bounds[0] for bounds in ranges]
+    for name, bounds in zip(SPLIT_NAMES, ranges):
+        if bounds is None:
+            continue
+        tokens = int(index.sequence_lengths[bounds[0]:bounds[1]].astype(numpy.int64).sum())
+        if tokens > 0:
+            continue
+        got = (f"0 of the {index.documents} documents" if bounds[0] == bounds[1] else
+               f"{bounds[1] - bounds[0]} documents with 0 tokens")
+        per_split = ", ".join(f"{n} {c}" for n, c in zip(SPLIT_NAMES, counts))
+        raise DataError(
+            f"--split {split} gives the {name} split {got} of --data-path {index.prefix!r} "
+            f"(documents per split: {per_split}); give the {name} split more weight, set its "
+            f"weight to 0 to build no {name} split, or use more data")
+
+
+def parse_data_path(data_path: List[str]) -> Tuple:
+    """``--data-path`` words -> megatron-core's blend ``(prefixes, weights or None)``; every
+    prefix must have its ``.bin/.idx`` files (their contents are ``check_data_path``'s). Raises
+    ``ValueError`` or ``FileNotFoundError`` naming the flag."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
     try:
         blend = get_blend_from_list(list(data_path))
     except (AssertionError, ValueError):
+        blend = None
+    if not blend or not blend[0]:
         raise ValueError(f"--data-path {' '.join(data_path)!r}: expected PREFIX ... or WEIGHT "
-                         "PREFIX WEIGHT PREFIX ...") from None
+                         "PREFIX WEIGHT PREFIX ...")
+    weights = blend[1]
+    if weights is not None and not (all(math.isfinite(w) and w >= 0 for w in weights)
+                                    and sum(weights) > 0):
+        raise ValueError(f"--data-path {' '.join(data_path)!r}: blend weights must be "
+                         f"non-negative and not all 0, got {weights}")
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
         raise FileNotFoundError(
             f"--data-path prefixes without .bin/.idx files: {missing} (build them with "
             f"tools/preprocess_data.py --output-prefix)"
         )
+    return blend
+
+
+def check_data_path(data_path: List[str], split: Optional[str] = None) -> Tuple:
+    """Parse ``--data-path`` words into megatron-core's blend, check every prefix has sound
+    ``.bin/.idx`` files and, with ``split`` (``--split``), that every split with a positive
+    weight gets documents. Raises ``FileNotFoundError`` (missing files) or ``ValueError``
+    (``DataError`` for the files and the split), naming the flag."""
+    blend = parse_data_path(data_path)
+    if split is not None:
+        parse_split(split)
+    for prefix in dict.fromkeys(blend[0]):
+        index = check_index(prefix)
+        if split is not None:
+            check_split(split, index)
     return blend
 
 

@@ -11,6 +11,8 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
+from megatron_ulysses.data.datasets import DataError
+
 # The [b, s] entries of a batch; everything else (cu_seqlens, max_seqlen) describes the global
 # sequence and is shared by all SP ranks.
 SEQUENCE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -104,6 +106,21 @@ def shard_for_sp_rank(batch: Dict, sp_rank: int, sp_size: int) -> Dict:
     }
 
 
+def check_token_ids(sample_batch: Dict[str, torch.Tensor], vocab_size: int) -> None:
+    """Raise ``DataError`` when a token or label id is outside ``[0, vocab_size)``: the data was
+    tokenized with another (larger) vocabulary than the tokenizer given for training."""
+    low = min(int(sample_batch[key].min()) for key in ("tokens", "labels"))
+    high = max(int(sample_batch[key].max()) for key in ("tokens", "labels"))
+    if high >= vocab_size or low < 0:
+        found = f"token id {high}" if high >= vocab_size else f"negative token id {low}"
+        raise DataError(
+            f"the --data-path data holds {found}, outside the tokenizer's vocabulary of "
+            f"{vocab_size} ids (0 to {vocab_size - 1}): it was tokenized with another tokenizer; "
+            f"give the --tokenizer-model it was made with (NullTokenizer: a --vocab-size of at "
+            f"least {max(high, 1)}), or re-create --data-path with tools/preprocess_data.py"
+        )
+
+
 # get_batch_for_sp_rank's flag arguments share the Megatron-LM names and shadow the function.
 _reset_position_ids = reset_position_ids
 
@@ -117,6 +134,7 @@ def get_batch_for_sp_rank(
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
+    vocab_size: Optional[int] = None,
 ) -> Dict:
     """One SP rank's share of a collated ``GPTDataset`` batch, computed on CPU.
 
@@ -127,11 +145,16 @@ def get_batch_for_sp_rank(
 
     Args:
         sample_batch: ``tokens labels loss_mask position_ids``, each ``[b, s]``.
+        vocab_size: the tokenizer's vocabulary size; when given, token ids outside
+            ``[0, vocab_size)`` raise ``DataError`` (a ``ValueError``) here, on CPU, instead of
+            an index error in the embedding (a device-side assert on GPU).
     Returns:
         ``tokens labels loss_mask position_ids`` ``[b, s'/P]`` and, when
         ``reset_attention_mask``, ``cu_seqlens`` (int32) and ``max_seqlen`` (int).
     """
     tokens = sample_batch["tokens"]
+    if vocab_size is not None:
+        check_token_ids(sample_batch, vocab_size)
     loss_mask = sample_batch["loss_mask"].clone()
     if eod_mask_loss:
         loss_mask[tokens == eod_id] = 0

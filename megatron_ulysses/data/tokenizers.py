@@ -80,10 +80,27 @@ class TokenizerBase(ABC):
         raise NotImplementedError(f"{type(self).__name__} has no attribute 'eos'")
 
 
-def _load_sentencepiece(model_file: str):
+def _load_sentencepiece(model_file: str, tokenizer_type: str):
+    """The sentencepiece model, or a ``ValueError`` naming ``--tokenizer-model`` when the file is
+    not one (sentencepiece raises ``RuntimeError`` with a terse protobuf message)."""
     import sentencepiece
 
-    return sentencepiece.SentencePieceProcessor(model_file=model_file)
+    if os.path.isdir(model_file):
+        raise ValueError(f"--tokenizer-model {model_file!r} is a directory; --tokenizer-type "
+                         f"{tokenizer_type} needs a sentencepiece .model file")
+    try:
+        processor = sentencepiece.SentencePieceProcessor(model_file=model_file)
+    except (RuntimeError, OSError, ValueError) as error:
+        raise ValueError(
+            f"--tokenizer-model {model_file!r} is not a sentencepiece model ({error}); "
+            f"--tokenizer-type {tokenizer_type} needs the .model file that "
+            "tools/train_tokenizer.py or sentencepiece wrote (a HuggingFace tokenizer directory "
+            "needs --tokenizer-type HuggingFaceTokenizer)"
+        ) from None
+    if len(processor) == 0:
+        raise ValueError(f"--tokenizer-model {model_file!r} is a sentencepiece model without "
+                         f"pieces; --tokenizer-type {tokenizer_type} needs a trained model")
+    return processor
 
 
 class SentencePieceTokenizer(TokenizerBase):
@@ -95,7 +112,7 @@ class SentencePieceTokenizer(TokenizerBase):
 
     def __init__(self, model_file: str, vocab_extra_ids: int = 0):
         super().__init__(model_file, vocab_extra_ids=vocab_extra_ids)
-        self.tokenizer = _load_sentencepiece(model_file)
+        self.tokenizer = _load_sentencepiece(model_file, "SentencePieceTokenizer")
         self._vocab = {self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))}
         self._inv_vocab = {i: piece for piece, i in self._vocab.items()}
         self._special_tokens: Dict[str, int] = {}
@@ -198,7 +215,7 @@ class GPTSentencePieceTokenizer(TokenizerBase):
 
     def __init__(self, model_file: str):
         super().__init__(model_file, vocab_extra_ids=0)
-        self.tokenizer = _load_sentencepiece(model_file)
+        self.tokenizer = _load_sentencepiece(model_file, "GPTSentencePieceTokenizer")
         self._vocab = {self.tokenizer.id_to_piece(i): i for i in range(len(self.tokenizer))}
         self._inv_vocab = {i: piece for piece, i in self._vocab.items()}
 
@@ -234,6 +251,13 @@ class HuggingFaceTokenizer(TokenizerBase):
 
     def __init__(self, model_path: str):
         super().__init__(model_path)
+        if not os.path.isdir(model_path):
+            raise ValueError(
+                f"--tokenizer-model {model_path!r} is not a directory; --tokenizer-type "
+                "HuggingFaceTokenizer needs a local tokenizer directory (tokenizer.json, "
+                "tokenizer_config.json, ...), a sentencepiece .model file needs --tokenizer-type "
+                "GPTSentencePieceTokenizer or SentencePieceTokenizer"
+            )
         try:
             import transformers
         except ImportError as err:
@@ -242,9 +266,17 @@ class HuggingFaceTokenizer(TokenizerBase):
                 "it or use --tokenizer-type GPTSentencePieceTokenizer with a sentencepiece "
                 "--tokenizer-model"
             ) from err
-        self.tokenizer = transformers.AutoTokenizer.from_pretrained(
-            model_path, local_files_only=True
-        )
+        try:
+            self.tokenizer = transformers.AutoTokenizer.from_pretrained(
+                model_path, local_files_only=True
+            )
+        except Exception as error:  # transformers raises OSError, ValueError, KeyError, ...
+            raise ValueError(
+                f"--tokenizer-model {model_path!r} is not a HuggingFace tokenizer directory "
+                f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}); "
+                "--tokenizer-type HuggingFaceTokenizer needs the directory that "
+                "tokenizer.save_pretrained() wrote"
+            ) from None
         self._vocab = self.tokenizer.get_vocab()
         self._inv_vocab = {i: token for token, i in self._vocab.items()}
 
@@ -348,3 +380,21 @@ def build_tokenizer(
     if tokenizer_type == "GPTSentencePieceTokenizer":
         return GPTSentencePieceTokenizer(tokenizer_model)
     return HuggingFaceTokenizer(tokenizer_model)
+
+
+def check_for_training(tokenizer: TokenizerBase, tokenizer_type: str,
+                       tokenizer_model: Optional[str] = None) -> None:
+    """What pretraining needs beyond a loadable tokenizer: an end-of-document id inside the
+    vocabulary (megatron-core's datasets, ``--eod-mask-loss``, ``--reset-*`` and the SP padding
+    all use it). Raises ``ValueError`` naming ``--tokenizer-model``."""
+    try:
+        eod = tokenizer.eod
+    except NotImplementedError:
+        eod = None
+    if eod is None or not 0 <= int(eod) < tokenizer.vocab_size:
+        source = f"--tokenizer-model {tokenizer_model!r}" if tokenizer_model else "the tokenizer"
+        raise ValueError(
+            f"{source} has no end-of-document id (--tokenizer-type {tokenizer_type} uses the "
+            f"model's eos id, got {eod!r}, vocab size {tokenizer.vocab_size}); use a tokenizer "
+            "with an eos token or --tokenizer-type SentencePieceTokenizer (which adds <EOD>)"
+        )

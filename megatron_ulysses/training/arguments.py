@@ -6,10 +6,12 @@ first collective and raises one `ConfigError` naming the flag to change.
 import argparse
 import math
 import os
+import tempfile
 
 import torch
 
-from ..backends import BACKENDS
+from ..backends import BACKENDS, resolve_backend
+from ..data.datasets import parse_data_path, parse_split
 from ..data.tokenizers import TOKENIZER_TYPES
 from ..parallel_state import ParallelDims
 
@@ -122,9 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--fp16", action="store_true")
     g.add_argument("--loss-scale", type=float, default=None,
                    help="static fp16 loss scale; default dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**16,
-                   help="dynamic fp16 loss scale to start from (Megatron-LM: 2^32, which "
-                   "skips ~17 steps while it halves down to a usable scale)")
+    g.add_argument("--initial-loss-scale", type=float, default=None,
+                   help="dynamic fp16 loss scale to start from; default 2^20 / the tokens of "
+                   "one micro batch on one rank (rounded up to a power of 2), since each rank "
+                   "backpropagates the SUM of its per-token losses (Megatron-LM's 2^32 skipped "
+                   "every step of a short run while it halved)")
     g.add_argument("--min-loss-scale", type=float, default=1.0)
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
@@ -206,6 +210,117 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_range(args, name: str, low=None, high=None, low_open=False, high_open=False,
+                 optional=False) -> None:
+    """``--name`` must lie in the interval (``None`` ends are unbounded); NaN never does."""
+    value = getattr(args, name)
+    if value is None and optional:
+        return
+    ok = isinstance(value, (int, float)) and not (isinstance(value, float) and math.isnan(value))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if ok and isinstance(value, float) and math.isinf(value):
+        ok = False
+    if not ok:
+        if low is not None and high is not None:
+            interval = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+        elif low is not None:
+            interval = ("positive" if low == 0 and low_open else
+                        f"{'>' if low_open else '>='} {low}")
+        else:
+            interval = f"{'<' if high_open else '<='} {high}"
+        raise ConfigError(f"{_flag(name)} must be {interval}, got {value}")
+
+
+def _check_writable_dir(path: str, flag: str) -> None:
+    """``path`` is, or can be created as, a directory this process can write: a directory is
+    made and removed again in it or in its nearest existing parent (as root, permission bits say
+    nothing), so nothing is left behind and a bad path fails now, not after training."""
+    target = os.path.abspath(path)
+    probe_in = target
+    while not os.path.exists(probe_in):
+        parent = os.path.dirname(probe_in)
+        if parent == probe_in:
+            break
+        probe_in = parent
+    if not os.path.isdir(probe_in):
+        where = "is a file" if probe_in == target else f"is under the file {probe_in!r}"
+        raise ConfigError(f"{flag} {path!r} {where}, not a directory; give a directory path")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".write_test_", dir=probe_in))
+    except OSError as error:
+        inside = "it" if probe_in == target else f"its parent {probe_in!r}"
+        raise ConfigError(f"{flag} {path!r} is not writable: cannot create a directory in "
+                          f"{inside} ({error.strerror}); give a writable {flag}") from None
+
+
+def _check_ranges(args) -> None:
+    """Range checks of the numeric flags that megatron-core would only trip over later (an
+    assert, a hang, NaN losses or a silently different run)."""
+    for name in ("ffn_hidden_size", "kv_channels", "max_position_embeddings", "vocab_size",
+                 "lr_decay_iters", "exit_interval", "recompute_num_layers"):
+        _check_range(args, name, low=0, low_open=True, optional=True)
+    for name in ("make_vocab_size_divisible_by", "distributed_timeout_minutes",
+                 "tensorboard_log_interval", "hysteresis"):
+        _check_range(args, name, low=1)
+    for name in ("num_workers", "lr_warmup_iters"):
+        _check_range(args, name, low=0)
+    _check_range(args, "seed", low=0, high=2**32 - 1)  # numpy seeds the data sampling with it
+    for name in ("attention_dropout", "hidden_dropout"):
+        _check_range(args, name, low=0, high=1, high_open=True)
+    _check_range(args, "rotary_base", low=0, low_open=True)
+    _check_range(args, "rotary_percent", low=0, high=1, low_open=True)
+    for name in ("norm_epsilon", "init_method_std", "adam_eps", "min_loss_scale",
+                 "loss_scale_window"):
+        _check_range(args, name, low=0, low_open=True)
+    for name in ("loss_scale", "initial_loss_scale"):
+        _check_range(args, name, low=0, low_open=True, optional=True)
+    for name in ("lr", "min_lr", "weight_decay", "clip_grad"):
+        _check_range(args, name, low=0)
+    for name in ("adam_beta1", "adam_beta2"):
+        _check_range(args, name, low=0, high=1, high_open=True)
+    _check_range(args, "lr_warmup_fraction", low=0, high=1, high_open=True, optional=True)
+
+
+def _check_data_source(args) -> None:
+    """--mock-data or --data-path (whose .bin/.idx files must exist), --split, the tokenizer."""
+    try:
+        split = parse_split(args.split)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if args.mock_data:
+        _require(not args.data_path, "give --data-path or --mock-data, not both")
+        if args.tokenizer_type is None:
+            args.tokenizer_type = "NullTokenizer"
+    else:
+        _require(bool(args.data_path), "give --data-path PREFIX (tools/preprocess_data.py "
+                 "writes one) or --mock-data")
+        _require(args.tokenizer_type is not None, "--data-path needs --tokenizer-type")
+        try:  # the files' contents are checked by pretrain_gpt.py (check_data_path)
+            parse_data_path(args.data_path)
+        except (ValueError, OSError) as error:
+            raise ConfigError(str(error)) from None
+        _require(split[0] > 0, f"--split {args.split} gives the train split weight 0, so there "
+                 "is nothing to train on; give it a positive first weight, e.g. --split 969,30,1")
+        if split[1] == 0 and args.eval_iters > 0:
+            args.warnings.append(
+                f"--split {args.split} gives the valid split weight 0: no evaluation runs "
+                f"(--eval-iters {args.eval_iters} is ignored); give it a weight to evaluate")
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None and args.vocab_size > 0,
+                 "--tokenizer-type NullTokenizer (the --mock-data default) needs --vocab-size")
+    elif args.tokenizer_model is None:
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
+    elif not os.path.exists(args.tokenizer_model):
+        raise ConfigError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
     """Check the whole configuration for `world_size` processes and fill in derived values
     (`dims`, `data_parallel_size`, `num_microbatches`, `padded_vocab_size` is set later).
@@ -216,6 +331,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     except ValueError as error:
         raise ConfigError(str(error)) from None
     dims = args.dims
+    if args.initial_loss_scale is None and args.seq_length > 0 and args.micro_batch_size > 0:
+        tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
+        args.initial_loss_scale = max(1.0, 2.0**20 / 2 ** math.ceil(math.log2(tokens)))
     _require((args.train_iters is None) != (args.train_samples is None),
              "give one of --train-iters and --train-samples")
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
@@ -224,6 +342,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         _require(getattr(args, flag) > 0,
                  f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
+    _check_ranges(args)
+    args.warnings = []  # printed once, by rank 0, by pretrain_gpt.py
+    _check_data_source(args)  # missing files first: they are what a user fixes first
 
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ConfigError("--num-query-groups needs --group-query-attention")
@@ -270,15 +391,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
              f"{dims.pp} x --ulysses-sp-size {dims.sp})")
     args.num_microbatches = args.global_batch_size // per_step
     if args.train_samples is not None:
-        args.train_iters = max(1, args.train_samples // args.global_batch_size)
+        _require(args.train_samples >= args.global_batch_size,
+                 f"--train-samples ({args.train_samples}) must be >= --global-batch-size "
+                 f"({args.global_batch_size}): training runs --train-samples // "
+                 "--global-batch-size iterations")
+        args.train_iters = args.train_samples // args.global_batch_size
 
-    if args.lr_decay_iters is None:
+    decay_defaulted = args.lr_decay_iters is None
+    if decay_defaulted:
         args.lr_decay_iters = args.train_iters
     if args.lr_warmup_fraction is not None:
         _require(args.lr_warmup_iters == 0,
                  "give --lr-warmup-fraction or --lr-warmup-iters, not both")
-        _require(0 <= args.lr_warmup_fraction <= 1,
-                 f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
     if args.transformer_impl is not None:
         backend = {"transformer_engine": "te", "local": "local"}[args.transformer_impl]
@@ -286,17 +410,30 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  f"--transformer-impl {args.transformer_impl} contradicts "
                  f"--ulysses-attention-backend {args.ulysses_attention_backend}")
         args.ulysses_attention_backend = backend
+    try:  # te without Transformer Engine fails here, not when the model is built
+        resolve_backend(args.ulysses_attention_backend)
+    except ValueError as error:
+        via = (" (--transformer-impl transformer_engine)"
+               if args.transformer_impl == "transformer_engine" else "")
+        raise ConfigError(f"{error}{via}") from None
     _require(0 <= args.min_lr <= args.lr,
              f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
-    _require(args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters ({args.lr_warmup_iters}) must be <= --lr-decay-iters "
-             f"({args.lr_decay_iters})")
-    _require(args.clip_grad >= 0, f"--clip-grad must be >= 0, got {args.clip_grad}")
+    # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).
+    warmup = ("--lr-warmup-iters" if args.lr_warmup_fraction is None else
+              f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters")
+    decay = "--lr-decay-iters" + (" (default --train-iters)" if decay_defaulted else "")
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"{warmup} ({args.lr_warmup_iters} iterations) must be < {decay} "
+             f"({args.lr_decay_iters}); shorten the warmup or raise --lr-decay-iters")
     _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
              "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
              "exclusive; give one")
 
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; give one")
+    if args.fp16 and args.loss_scale is None:  # megatron-core's DynamicGradScaler asserts it
+        _require(args.min_loss_scale <= args.initial_loss_scale,
+                 f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
+                 f"({args.initial_loss_scale})")
     if not cuda:
         _require(not (args.bf16 or args.fp16),
                  "--bf16/--fp16 need CUDA (megatron-core's mixed-precision optimizer); "
@@ -313,6 +450,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  "--recompute-granularity full needs --recompute-method uniform|block")
         if args.recompute_num_layers is None:
             args.recompute_num_layers = 1
+        layers_per_stage = args.num_layers // dims.pp
+        _require(args.recompute_num_layers <= layers_per_stage,
+                 f"--recompute-num-layers ({args.recompute_num_layers}) must be in [1, layers "
+                 f"per pipeline stage = --num-layers {args.num_layers} / "
+                 f"--pipeline-model-parallel-size {dims.pp} = {layers_per_stage}]")
     else:
         _require(args.recompute_method is None and args.recompute_num_layers is None,
                  "--recompute-method/--recompute-num-layers need --recompute-granularity full")
@@ -325,21 +467,19 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  "--tiled-mlp-shards/--tiled-loss-shards do not support --sequence-parallel "
                  "with --tensor-model-parallel-size > 1")
 
-    if args.mock_data:
-        _require(not args.data_path, "give --data-path or --mock-data, not both")
-        if args.tokenizer_type is None:
-            args.tokenizer_type = "NullTokenizer"
-    else:
-        _require(bool(args.data_path), "give --data-path PREFIX (tools/preprocess_data.py "
-                 "writes one) or --mock-data")
-        _require(args.tokenizer_type is not None, "--data-path needs --tokenizer-type")
-    if args.tokenizer_type == "NullTokenizer":
-        _require(args.vocab_size is not None and args.vocab_size > 0,
-                 "--tokenizer-type NullTokenizer (the --mock-data default) needs --vocab-size")
-    elif args.tokenizer_model is None:
-        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    elif not os.path.exists(args.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
+    if args.position_embedding_type == "rope":  # megatron-core rotates int(d x percent) dims
+        rotary_dim = args.kv_channels if args.rotary_percent >= 1.0 else \
+            int(args.kv_channels * args.rotary_percent)
+        _require(rotary_dim >= 2 and rotary_dim % 2 == 0,
+                 f"RoPE rotates --kv-channels x --rotary-percent = {args.kv_channels} x "
+                 f"{args.rotary_percent} -> {rotary_dim} dimensions per head, which must be even "
+                 "and >= 2; change --rotary-percent (or --kv-channels)")
+        if args.reset_position_ids and not args.reset_attention_mask:
+            args.warnings.append(
+                "--reset-position-ids changes nothing with --position-embedding-type rope: RoPE "
+                "takes positions from each document only with --reset-attention-mask, which "
+                "also keeps documents from attending to each other; add --reset-attention-mask "
+                "or drop --reset-position-ids")
 
     _require(not (args.exit_signal_handler and args.save is None),
              "--exit-signal-handler saves before exiting: it needs --save")
@@ -348,6 +488,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     _require(args.save_interval is None or args.save_interval > 0,
              f"--save-interval must be positive, got {args.save_interval}")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
+    for name in ("save", "tensorboard_dir", "data_cache_path"):  # fail now, not after training
+        if getattr(args, name) is not None:
+            _check_writable_dir(getattr(args, name), _flag(name))
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(not (args.distributed_backend == "nccl" and not cuda),

@@ -178,7 +178,8 @@ class Batches:
         self.shard = functools.partial(
             get_batch_for_sp_rank, sp_rank=ps.get_ulysses_sp_rank(),
             sp_size=ps.get_ulysses_sp_world_size(), pad_id=padding_id(tokenizer),
-            eod_id=tokenizer.eod, reset_position_ids=args.reset_position_ids,
+            eod_id=tokenizer.eod, vocab_size=tokenizer.vocab_size,
+            reset_position_ids=args.reset_position_ids,
             reset_attention_mask=args.reset_attention_mask, eod_mask_loss=args.eod_mask_loss,
         )
 
