@@ -71,7 +71,10 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
                "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear")
-_SAVED_ARGS = _MODEL_ARGS + ("max_position_embeddings", "rotary_base")
+# Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
+# mixed-precision optimizer and the fp32 one each name them differently).
+_OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
+_SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + ("max_position_embeddings", "rotary_base")
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -494,6 +497,17 @@ def _check_args(path: str, saved: dict, args) -> None:
                      f"{saved['rotary_base']} (--load {path})")
 
 
+def _check_optimizer_args(path: str, saved: dict, args) -> None:
+    different = [key for key in _OPTIMIZER_ARGS
+                 if key in saved and saved[key] != getattr(args, key)]
+    if different:
+        details = ", ".join(f"{_flag(k)}: checkpoint {saved[k]}, this run {getattr(args, k)}"
+                            for k in different)
+        raise ConfigError(f"--load {path}: its optimizer state was saved with another optimizer "
+                          f"({details}); run with the checkpoint's flags, or pass --no-load-optim "
+                          "to load the weights only (Adam moments restart)")
+
+
 def _checkpoint_path(root: str, iteration: int) -> str:
     path = checkpoint_dir(root, iteration)
     if os.path.isdir(path):
@@ -533,6 +547,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
                           f"--train-iters {iteration} or more (or --finetune)")
 
     with_optimizer = not (args.finetune or args.no_load_optim)
+    if with_optimizer:
+        _check_optimizer_args(path, saved_args if isinstance(saved_args, dict) else {}, args)
     rng_states = None
     if not (args.finetune or args.no_load_rng):
         rng_states = _rng_tensors()  # this run's names and shapes, overwritten by the load

@@ -11,8 +11,8 @@ from the first; each test then checks one property of their logs and checkpoints
   also on packed documents (`--reset-attention-mask`: TE's THD path, SDPA per document).
 - Full and selective recompute, TiledMLP + tiled loss + offload: same losses as plain training.
 - fp16 with the dynamic loss scale skips at most a few steps and the loss falls.
-- A distributed-optimizer checkpoint resumes without the distributed optimizer (its
-  fully_reshardable layout is per parameter, independent of DP x SP).
+- Resuming a distributed-optimizer checkpoint without it is one clear error (its state keys
+  differ), not a KeyError from megatron-core.
 - SIGTERM with `--exit-signal-handler` saves and exits 0; evaluation and TensorBoard scalars.
 """
 
@@ -45,6 +45,8 @@ RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "-
        "--bf16"]
 MOCK = ["--mock-data", "--vocab-size", "2048"]
 DETERMINISTIC = ["--deterministic-mode", "--use-distributed-optimizer"]
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--ulysses-attention-backend",
+           "te"]
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \| loss scale: (\S+) "
                        r"\| grad norm: (\S+) \|.*number of skipped iterations:\s+(\d+)")
@@ -134,6 +136,13 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
                                 "--tiled-mlp-shards", "4", "--tiled-loss-shards", "4",
                                 "--offload-activations", "--ulysses-attention-backend", "te"],
             work),
+        Run("dropout", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT], work),
+        Run("dropout_half", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT,
+                             "--save", str(work / "ckpt_dropout"), "--exit-interval", "4"], work),
+        Run("dropout_full_recompute", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT,
+                                       *recompute], work),
+        Run("fp16_plain_optimizer", [*MODEL, *[f for f in RUN if f != "--bf16"], "--fp16",
+                                     *MOCK, "--ulysses-attention-backend", "te"], work),
         Run("fp16", [*MODEL, *[f for f in RUN if f != "--bf16"], "--fp16", *MOCK,
                      "--use-distributed-optimizer", "--ulysses-attention-backend", "te"], work),
     ]
@@ -145,6 +154,8 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
         Run("resumed_plain_optimizer", [*MODEL, *RUN, *MOCK, "--deterministic-mode",
                                         "--ulysses-attention-backend", "te", "--load", half],
             work),
+        Run("dropout_resumed", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT,
+                                "--load", str(work / "ckpt_dropout")], work),
     ]
     done.update(_wave(second))
     done["work"] = work
@@ -211,10 +222,12 @@ def _flatten(tree, prefix=""):
         yield prefix.rstrip("."), tree
 
 
-def test_distributed_optimizer_checkpoint_resumes_without_it(runs):
-    te, plain = runs["te"].check(), runs["resumed_plain_optimizer"].check()
-    assert sorted(plain.losses) == [5, 6, 7, 8]
-    _close(plain.losses, {i: te.losses[i] for i in plain.losses}, "dist-opt -> plain optimizer")
+def test_switching_the_optimizer_on_load_is_one_clear_error(runs):
+    # The distributed optimizer's state keys differ from the plain mixed-precision optimizer's.
+    plain = runs["resumed_plain_optimizer"]
+    assert plain.process.returncode == 2, plain.output[-3000:]
+    assert "--use-distributed-optimizer: checkpoint True, this run False" in plain.output
+    assert "--no-load-optim" in plain.output and "Traceback" not in plain.output
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "local"])
@@ -234,11 +247,25 @@ def test_recompute_and_memory_features_keep_the_losses(runs, name):
     _close(runs[name].check().losses, runs["te"].check().losses, f"{name} vs te")
 
 
-def test_fp16_dynamic_loss_scale(runs):
-    fp16 = runs["fp16"].check()
+def test_dropout_resume_and_recompute_replay_the_masks(runs):
+    dropout, half = runs["dropout"].check(), runs["dropout_half"].check()
+    resumed, recompute = runs["dropout_resumed"].check(), runs["dropout_full_recompute"].check()
+    assert dropout.losses != runs["te"].check().losses  # dropout is on
+    assert {i: dropout.iterations[i] for i in half.iterations} == half.iterations
+    assert sorted(resumed.iterations) == [5, 6, 7, 8]
+    assert {i: dropout.iterations[i] for i in resumed.iterations} == resumed.iterations
+    assert resumed.validation == {8: dropout.validation[8]}
+    # recompute draws the forward's masks again: the same digits as without recompute
+    assert recompute.losses == dropout.losses
+    report("dropout", losses=dropout.losses, recompute_losses=recompute.losses)
+
+
+@pytest.mark.parametrize("name", ["fp16", "fp16_plain_optimizer"])
+def test_fp16_dynamic_loss_scale(runs, name):
+    fp16 = runs[name].check()
     iterations = fp16.iterations
     skipped = sum(v[3] for v in iterations.values())
-    report("fp16", skipped=skipped, scales=[v[1] for v in iterations.values()],
+    report(name, skipped=skipped, scales=[v[1] for v in iterations.values()],
            losses=fp16.losses)
     assert skipped <= 3, iterations
     good = [v[0] for i, v in sorted(iterations.items()) if v[0] == v[0]]
