@@ -9,6 +9,7 @@ outside the vocabulary are found when a batch is read, and end the run the same 
 
 import os
 import sys
+import traceback
 
 from megatron_ulysses.training.arguments import ConfigError, parse_args
 
@@ -81,16 +82,39 @@ def main(argv=None) -> int:
 
     try:
         pretrain(args)
-    except ConfigError as error:  # data or tokenizer files, checked before any collective
-        return _report(error)
+    except ConfigError as error:  # e.g. a --load that does not match the flags
+        return _leave(_report(error))
     except DataError as error:  # a batch with token ids outside the vocabulary
-        return _report_data_error(error, args)
-    finally:
+        return _leave(_report_data_error(error, args))
+    except BaseException:
+        if not _alone():
+            traceback.print_exc()
+            _leave(1)
+        raise
+    finally:  # reached on success, or alone (with several ranks an error left above)
         if ps.is_initialized():
             ps.destroy_model_parallel()
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+def _alone() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+def _leave(code: int) -> int:
+    """After an error in training with several ranks, exit at once: the others may be inside a
+    collective this rank will never join, and tearing the process groups down can wait for them
+    until the timeout; torchrun stops them when this rank exits. Alone, return the code."""
+    if not _alone():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
 
 if __name__ == "__main__":
     sys.exit(main())

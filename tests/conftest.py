@@ -10,6 +10,19 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS = REPO_ROOT / "examples" / "data" / "corpus.jsonl"
 TINY_VOCAB = 1000
 sys.path.insert(0, str(REPO_ROOT / "tools"))
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # tests/gpu imports tests/distributed.py
+
+
+def pytest_collection_modifyitems(config, items):
+    """tests/gpu (the GPU suite, tests/gpu/run.sh) is skipped as a whole without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="GPU suite: needs CUDA (run tests/gpu/run.sh on a GPU)")
+    for item in items:
+        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

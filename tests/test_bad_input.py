@@ -252,10 +252,10 @@ FILES = [
     # damaged or empty data
     (["--data-path", "{random_idx}", *NULL], ["--data-path", "is not a megatron-core index"]),
     (["--data-path", "{short_header}", *NULL], ["--data-path", "is truncated (20 bytes"]),
-    (["--data-path", "{cut_idx}", *NULL], ["--data-path", "100 documents", "needs 2042"]),
+    (["--data-path", "{cut_idx}", *NULL], ["--data-path", "100 sequences", "needs 2042"]),
     (["--data-path", "{short_bin}", *NULL], ["--data-path", "is 3900 bytes", "2000 tokens"]),
     (["--data-path", "{bad_version}", *NULL], ["--data-path", "index version 7"]),
-    (["--data-path", "{empty}", *NULL], ["--data-path", "holds no documents"]),
+    (["--data-path", "{empty}", *NULL], ["--data-path", "holds no tokens (0 documents"]),
     # tokenizer files that do not load
     (["--data-path", "{d100}", "--tokenizer-type", "GPTSentencePieceTokenizer",
       "--tokenizer-model", "{garbage_model}"],

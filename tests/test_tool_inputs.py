@@ -270,7 +270,7 @@ def test_inspect_refuses_damaged_dataset(tmp_path, capsys, datasets, damage):
     code, err = run_tool(inspect_dataset.main, ["--data-prefix", prefix], capsys)
     assert code == 2
     assert_one_error(err, [f"--data-prefix {str(prefix)!r}", *DAMAGE[damage][1],
-                           "re-create it with tools/preprocess_data.py or pass another "
+                           "re-create it with tools/preprocess_data.py or give another "
                            "--data-prefix"])
 
 
@@ -281,7 +281,7 @@ def test_merge_refuses_damaged_input(tmp_path, capsys, datasets, damage):
         "--input", datasets["sp"], prefix, "--output-prefix", tmp_path / "out" / "merged"], capsys)
     assert code == 2
     assert_one_error(err, [f"--input {str(prefix)!r}", *DAMAGE[damage][1],
-                           "pass another --input"])
+                           "give another --input"])
     assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
 
 

@@ -1,25 +1,21 @@
 """Shared by the dataset tools: input errors reported as one line with exit status 2, outputs
-written under temporary names, a check of ``.idx``/``.bin`` files made before megatron-core mmaps
-them, and the tokenizer sidecar ``<prefix>.tokenizer.json`` that preprocess_data.py writes and
-merge_datasets.py compares."""
+written under temporary names, the check of ``.idx``/``.bin`` files made before megatron-core
+mmaps them (``check_index`` of megatron_ulysses.data.datasets, which pretrain_gpt.py runs on
+``--data-path``), and the tokenizer sidecar ``<prefix>.tokenizer.json`` that preprocess_data.py
+writes and merge_datasets.py compares."""
 
 import functools
 import hashlib
 import json
 import os
-import struct
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
 
-import numpy
+_REPO_ROOT = str(Path(__file__).resolve().parents[1])
+if _REPO_ROOT not in sys.path:  # megatron_ulysses, for a tool run as tools/<name>.py
+    sys.path.insert(0, _REPO_ROOT)
 
-# megatron.core.datasets.indexed_dataset's .idx: magic, version <Q (1), dtype code <B, sequence
-# count <Q, document count <Q; then int32 sequence lengths, int64 sequence byte offsets into the
-# .bin, int64 document indices (first sequence of each document, then the sequence count) and,
-# for multimodal data only, int8 sequence modes.
-IDX_MAGIC = b"MMIDIDX\x00\x00"
-IDX_HEADER = struct.Struct("<9sQBQQ")
 # What identifies the tokenizer of a dataset (the model path may differ between copies).
 TOKENIZER_IDENTITY = ("tokenizer_type", "tokenizer_model_sha256", "vocab_size")
 
@@ -75,57 +71,16 @@ class DatasetInfo(NamedTuple):
 
 
 def check_dataset(prefix: str, flag: str) -> DatasetInfo:
-    """Check that ``prefix.idx`` and ``prefix.bin`` agree with each other and with the index
-    layout (megatron-core asserts, or fails inside numpy, on damaged files, and cannot mmap an
-    empty ``.bin``). Raises a ``ToolError`` naming ``flag`` (the option that gave ``prefix``)."""
-    from megatron.core.datasets.indexed_dataset import DType
+    """``check_index`` of ``prefix.idx``/``prefix.bin`` (see megatron_ulysses.data.datasets),
+    its ``DataError`` raised as a ``ToolError`` naming ``flag`` (the option that gave
+    ``prefix``)."""
+    from megatron_ulysses.data.datasets import DataError, check_index
 
-    bin_path, idx_path, _ = dataset_files(prefix)
-
-    def damaged(problem: str) -> ToolError:
-        return ToolError(f"{flag} {prefix!r}: {problem}; re-create it with "
-                         f"tools/preprocess_data.py or pass another {flag}")
-
-    missing = [path for path in (idx_path, bin_path) if not os.path.isfile(path)]
-    if missing:
-        hint = " (give the prefix without .bin/.idx)" if prefix.endswith((".bin", ".idx")) else ""
-        raise damaged(f"there is no {' and no '.join(missing)}{hint}")
-    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
-    with open(idx_path, "rb") as stream:
-        header = stream.read(IDX_HEADER.size)
-    if len(header) < IDX_HEADER.size:
-        raise damaged(f"{idx_path} is truncated ({idx_size} bytes, shorter than the "
-                      f"{IDX_HEADER.size}-byte header)")
-    magic, version, code, sequences, doc_count = IDX_HEADER.unpack(header)
-    if magic != IDX_MAGIC:
-        raise damaged(f"{idx_path} is not a megatron-core index (starts with {magic!r}, not "
-                      f"{IDX_MAGIC!r})")
-    if version != 1 or code not in {dtype.value for dtype in DType}:
-        raise damaged(f"{idx_path} has index version {version} and dtype code {code} "
-                      f"(megatron-core reads version 1, codes 1-{len(DType)})")
-    needed = IDX_HEADER.size + 12 * sequences + 8 * doc_count
-    if idx_size not in (needed, needed + sequences):  # + sequences: multimodal modes
-        raise damaged(f"{idx_path} is {idx_size} bytes but its header ({sequences} sequences, "
-                      f"{doc_count} document indices) needs {needed}")
-    itemsize = DType.size(code)
-    offset = IDX_HEADER.size
-    lengths = numpy.fromfile(idx_path, numpy.int32, sequences, offset=offset).astype(numpy.int64)
-    pointers = numpy.fromfile(idx_path, numpy.int64, sequences, offset=offset + 4 * sequences)
-    doc_indices = numpy.fromfile(idx_path, numpy.int64, doc_count, offset=offset + 12 * sequences)
-    starts = (numpy.cumsum(lengths) - lengths) * itemsize
-    if (doc_count == 0 or doc_indices[0] != 0 or doc_indices[-1] != sequences
-            or (numpy.diff(doc_indices) < 0).any() or (lengths < 0).any()
-            or (pointers != starts).any()):
-        raise damaged(f"{idx_path} has inconsistent document indices, sequence lengths or "
-                      f"sequence offsets")
-    tokens = int(lengths.sum())
-    if bin_size != tokens * itemsize:
-        raise damaged(f"{bin_path} is {bin_size} bytes but {idx_path} says {tokens} tokens x "
-                      f"{itemsize} bytes = {tokens * itemsize}")
-    if tokens == 0:
-        raise damaged(f"it holds no tokens ({doc_count - 1} documents; megatron-core cannot read "
-                      f"an empty .bin)")
-    return DatasetInfo(DType.dtype_from_code(code), sequences, doc_count - 1, tokens)
+    try:
+        index = check_index(prefix, flag)
+    except DataError as err:
+        raise ToolError(str(err)) from None
+    return DatasetInfo(index.dtype.type, index.sequences, index.documents, index.tokens)
 
 
 def load_tokenizer(args):

@@ -156,61 +156,68 @@ _CHUNK = 1 << 22  # index entries checked at a time
 
 
 class IndexSummary(NamedTuple):
-    """What ``check_index`` read from a ``.idx``: ``sequence_lengths`` (int32, memory-mapped)
-    are what megatron-core's ``GPTDataset`` splits and samples, one per document."""
+    """What ``check_index`` read from a ``.idx``. ``sequence_lengths`` (int32, memory-mapped)
+    are what megatron-core's ``GPTDataset`` splits and samples: each of the ``sequences`` is one
+    of its documents. ``documents`` counts the ``.idx`` document indices' documents (several
+    sequences each in sentence-split data)."""
     prefix: str
     dtype: numpy.dtype
     sequence_lengths: numpy.ndarray
+    sequences: int
     documents: int
     tokens: int
 
 
-def _damaged(prefix: str, problem: str) -> DataError:
-    return DataError(f"--data-path {prefix!r}: {problem}; re-create it with "
-                     "tools/preprocess_data.py or give another --data-path")
+def _damaged(prefix: str, flag: str, problem: str) -> DataError:
+    return DataError(f"{flag} {prefix!r}: {problem}; re-create it with "
+                     f"tools/preprocess_data.py or give another {flag}")
 
 
-def check_index(prefix: str) -> IndexSummary:
+def check_index(prefix: str, flag: str = "--data-path") -> IndexSummary:
     """Check that ``prefix.idx`` has megatron-core's layout and agrees with ``prefix.bin``
     (megatron-core asserts, fails inside numpy, or reads past the end of the ``.bin`` in the
     middle of training on damaged files, and cannot map an empty ``.bin``). Raises
-    ``DataError`` naming ``--data-path``."""
+    ``DataError`` naming ``flag``, the option that gave ``prefix``."""
     from megatron.core.datasets.indexed_dataset import DType
 
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
-    for path in (idx_path, bin_path):
-        if not os.path.isfile(path):
-            raise _damaged(prefix, f"{path} is not a regular file")
+    missing = [path for path in (idx_path, bin_path) if not os.path.exists(path)]
+    problems = [f"there is no {' and no '.join(missing)}"] if missing else []
+    problems += [f"{path} is not a regular file" for path in (idx_path, bin_path)
+                 if path not in missing and not os.path.isfile(path)]
+    if problems:
+        hint = (" (give the prefix without .bin/.idx)"
+                if missing and prefix.endswith((".bin", ".idx")) else "")
+        raise _damaged(prefix, flag, " and ".join(problems) + hint)
     idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
     try:
         with open(idx_path, "rb") as stream:
             header = stream.read(_IDX_HEADER.size)
     except OSError as error:
-        raise _damaged(prefix, f"cannot read {idx_path} ({error.strerror})") from None
+        raise _damaged(prefix, flag, f"cannot read {idx_path} ({error.strerror})") from None
     if len(header) < _IDX_HEADER.size:
-        raise _damaged(prefix, f"{idx_path} is truncated ({idx_size} bytes, shorter than the "
-                               f"{_IDX_HEADER.size}-byte header)")
+        raise _damaged(prefix, flag, f"{idx_path} is truncated ({idx_size} bytes, shorter than "
+                                     f"the {_IDX_HEADER.size}-byte header)")
     magic, version, code, sequences, doc_count = _IDX_HEADER.unpack(header)
     if magic != _IDX_MAGIC:
-        raise _damaged(prefix, f"{idx_path} is not a megatron-core index (it starts with "
-                               f"{magic!r}, not {_IDX_MAGIC!r})")
+        raise _damaged(prefix, flag, f"{idx_path} is not a megatron-core index (starts with "
+                                     f"{magic!r}, not {_IDX_MAGIC!r})")
     codes = {dtype.value for dtype in DType}
     if version != 1 or code not in codes:
-        raise _damaged(prefix, f"{idx_path} has index version {version} and dtype code {code} "
-                               f"(megatron-core reads version 1, dtype codes {min(codes)}-"
-                               f"{max(codes)})")
+        raise _damaged(prefix, flag, f"{idx_path} has index version {version} and dtype code "
+                                     f"{code} (megatron-core reads version 1, dtype codes "
+                                     f"{min(codes)}-{max(codes)})")
     needed = _IDX_HEADER.size + 12 * sequences + 8 * doc_count
     if idx_size not in (needed, needed + sequences):  # + sequences: multimodal modes
-        raise _damaged(prefix, f"{idx_path} is {idx_size} bytes but its header ({sequences} "
-                               f"documents, {doc_count} document indices) needs {needed}")
+        raise _damaged(prefix, flag, f"{idx_path} is {idx_size} bytes but its header "
+                                     f"({sequences} sequences, {doc_count} document indices) "
+                                     f"needs {needed}")
     dtype = numpy.dtype(DType.dtype_from_code(code))
-    if sequences == 0 or doc_count < 2:
-        raise _damaged(prefix, f"it holds no documents ({idx_path} lists {sequences})")
     offset = _IDX_HEADER.size
     lengths = numpy.memmap(idx_path, numpy.int32, "r", offset, (sequences,))
     pointers = numpy.memmap(idx_path, numpy.int64, "r", offset + 4 * sequences, (sequences,))
     doc_indices = numpy.memmap(idx_path, numpy.int64, "r", offset + 12 * sequences, (doc_count,))
-    consistent = doc_indices[0] == 0 and doc_indices[-1] == sequences
+    consistent = doc_count > 0 and doc_indices[0] == 0 and doc_indices[-1] == sequences
     tokens = 0
     for start in range(0, sequences, _CHUNK):
         chunk = lengths[start:start + _CHUNK].astype(numpy.int64)
@@ -222,20 +229,22 @@ def check_index(prefix: str) -> IndexSummary:
         steps = numpy.diff(doc_indices[start:start + _CHUNK + 1])
         consistent = consistent and bool((steps >= 0).all())
     if not consistent:
-        raise _damaged(prefix, f"{idx_path} has inconsistent document indices, sequence lengths "
-                               "or sequence offsets")
+        raise _damaged(prefix, flag, f"{idx_path} has inconsistent document indices, sequence "
+                                     "lengths or sequence offsets")
     if bin_size != tokens * dtype.itemsize:
-        raise _damaged(prefix, f"{bin_path} is {bin_size} bytes but {idx_path} says {tokens} "
-                               f"tokens x {dtype.itemsize} bytes = {tokens * dtype.itemsize}")
+        raise _damaged(prefix, flag, f"{bin_path} is {bin_size} bytes but {idx_path} says "
+                                     f"{tokens} tokens x {dtype.itemsize} bytes = "
+                                     f"{tokens * dtype.itemsize}")
     if tokens == 0:
-        raise _damaged(prefix, f"it holds no tokens ({sequences} empty documents)")
-    return IndexSummary(prefix, dtype, lengths, sequences, tokens)
+        raise _damaged(prefix, flag, f"it holds no tokens ({doc_count - 1} documents; "
+                                     "megatron-core cannot read an empty .bin)")
+    return IndexSummary(prefix, dtype, lengths, sequences, doc_count - 1, tokens)
 
 
 def check_split(split: str, index: IndexSummary) -> None:
     """Every split with a positive ``--split`` weight must get documents and tokens: megatron-core
     loops forever (``GPTDataset._get_num_epochs``) building a split of 0 tokens."""
-    ranges = split_document_ranges(split, index.documents)
+    ranges = split_document_ranges(split, index.sequences)
     counts = [0 if bounds is None else bounds[1] - bounds[0] for bounds in ranges]
     for name, bounds in zip(SPLIT_NAMES, ranges):
         if bounds is None:
@@ -243,7 +252,7 @@ def check_split(split: str, index: IndexSummary) -> None:
         tokens = int(index.sequence_lengths[bounds[0]:bounds[1]].astype(numpy.int64).sum())
         if tokens > 0:
             continue
-        got = (f"0 of the {index.documents} documents" if bounds[0] == bounds[1] else
+        got = (f"0 of the {index.sequences} documents" if bounds[0] == bounds[1] else
                f"{bounds[1] - bounds[0]} documents with 0 tokens")
         per_split = ", ".join(f"{n} {c}" for n, c in zip(SPLIT_NAMES, counts))
         raise DataError(
