@@ -120,20 +120,41 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
             assert run[iteration] == pytest.approx(full[iteration], rel=2e-6)
 
 
-def test_resume_is_exact_with_dropout_and_resumes_validation(tmp_path):
-    # Dropout on: the resumed run must draw the same masks (the data loader may not consume the
-    # restored RNG) and continue the validation iterator where the first run left it.
+@pytest.mark.parametrize("nproc, sp", [(1, 1), (2, 2)])
+def test_resume_is_exact_with_dropout_and_resumes_validation(tmp_path, nproc, sp):
+    # Dropout on: the resumed run must draw the same masks (each rank's RNG states restored, the
+    # data loader not drawing from them) and continue the validation iterator where the first
+    # run left it. At SP 2 each rank has its own dropout stream.
     flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "6", "--eval-interval", "2",
-             "--eval-iters", "1", "--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
-    full = launch(1, *flags)
+             "--eval-iters", "1", "--attention-dropout", "0.1", "--hidden-dropout", "0.1",
+             "--ulysses-sp-size", str(sp)]
+    full = launch(nproc, *flags)
     ckpt = tmp_path / "ckpt"
-    launch(1, *flags, "--save", str(ckpt), "--exit-interval", "3")
-    resumed = launch(1, *flags, "--load", str(ckpt))
+    launch(nproc, *flags, "--save", str(ckpt), "--exit-interval", "3")
+    resumed = launch(nproc, *flags, "--load", str(ckpt))
     expected, got = losses(full), losses(resumed)
     assert sorted(got) == [4, 5, 6]
     assert {i: expected[i] for i in got} == got  # the logged digits, exactly
     assert validation(resumed) == {i: validation(full)[i] for i in (4, 6)}
     assert len(set(validation(full).values())) == 3  # each evaluation reads other samples
+
+
+def test_resume_with_another_lr_schedule_needs_a_flag_that_says_which(tmp_path):
+    # As Megatron-LM: a schedule that differs from the checkpoint's is an error unless
+    # --override-opt_param-scheduler (the flags) or --use-checkpoint-opt_param-scheduler says.
+    flags = ["--mock-data", "--vocab-size", "256", "--eval-iters", "0",
+             "--lr-decay-style", "constant"]
+    ckpt = tmp_path / "ckpt"
+    losses(launch(1, *flags, "--train-iters", "4", "--save", str(ckpt)))
+    longer = [*flags, "--train-iters", "8", "--load", str(ckpt)]
+    refused = launch(1, *longer)
+    assert refused.returncode != 0
+    assert "--override-opt_param-scheduler" in refused.stderr
+    assert "megatron_ulysses/" not in refused.stderr  # a message, not a traceback from our code
+    overridden = launch(1, *longer, "--override-opt_param-scheduler")
+    assert sorted(losses(overridden)) == [5, 6, 7, 8]
+    rates = [float(r) for r in re.findall(r"learning rate: (\S+) \|", overridden.stdout)]
+    assert rates == [1e-3] * 4  # the flags' constant --lr, not the finished schedule's 0
 
 
 def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
