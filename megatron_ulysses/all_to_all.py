@@ -64,12 +64,6 @@ def unpack_output(buffer: torch.Tensor) -> torch.Tensor:
     return buffer.permute(1, 2, 0, 3, 4).reshape(s_local, b, p * h_local * d)
 
 
-def exchange_reference(send_buffers):
-    """What one all-to-all does to the P ranks' send buffers `[P, ...]`, without a process group:
-    rank i receives chunk i of every rank j, in order of j."""
-    return [torch.stack([buf[i] for buf in send_buffers]) for i in range(len(send_buffers))]
-
-
 class AllToAll(torch.autograd.Function):
     """Equal-split all-to-all over dim 0 of `[P, ...]`; backward is the same exchange."""
 

@@ -13,7 +13,6 @@ reads, so every rank of one SP group reads the same sample.
 from dataclasses import dataclass
 from typing import List, Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.parallel_state import RankGenerator
@@ -51,10 +50,6 @@ class ParallelDims:
         """Pure data-parallel size: how many different samples one step reads per micro batch."""
         return self.world_size // (self.tp * self.pp * self.sp)
 
-    @property
-    def megatron_dp(self) -> int:
-        """megatron-core's data-parallel size DP' = DP x SP."""
-        return self.dp * self.sp
 
     def rank_groups(self, axis: str) -> List[List[int]]:
         """Global ranks of every group along `axis`: "sp" (blocks of P consecutive members of
@@ -183,10 +178,6 @@ def get_ulysses_sp_rank() -> int:
     return _SP_RANKS.index(dist.get_rank())
 
 
-def get_ulysses_sp_ranks() -> list:
-    _require()
-    return list(_SP_RANKS)
-
 
 def get_data_parallel_group():
     """The pure-DP group (ranks holding different samples), without the SP ranks."""
@@ -212,9 +203,3 @@ def destroy_model_parallel() -> None:
     _DIMS = _SP_GROUP = _SP_RANKS = _DP_GROUP = _DP_RANKS = None
     mpu.destroy_model_parallel()
 
-
-def all_reduce_over_data_and_sp(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` in place over megatron-core's DP' = DP x SP group (all ranks of one TP/PP
-    position)."""
-    dist.all_reduce(tensor, group=mpu.get_data_parallel_group())
-    return tensor

@@ -148,7 +148,7 @@ def _init(tp, sp):
     assert mpu.get_context_parallel_world_size() == 1
     mcore_dp = dist.get_process_group_ranks(mpu.get_data_parallel_group())
     assert mcore_dp == list(range(rank % tp, WORLD, tp)), mcore_dp  # DP' = DP x SP
-    sp_ranks = ps.get_ulysses_sp_ranks()
+    sp_ranks = dist.get_process_group_ranks(ps.get_ulysses_sp_group())
     assert len(sp_ranks) == sp and set(sp_ranks) <= set(mcore_dp)
     assert dist.get_process_group_ranks(ps.get_ulysses_sp_group()) == sp_ranks
     assert ps.get_ulysses_sp_rank() == sp_ranks.index(rank)
@@ -230,6 +230,12 @@ class _ReplicationCounter:
         return False
 
 
+def _sum_over_dp_and_sp(tensor):
+    """Sum over megatron-core's DP' = DP x SP group, as its DDP reduces gradients."""
+    dist.all_reduce(tensor, group=mpu.get_data_parallel_group())
+    return tensor
+
+
 def _check_model(label, model, dims, samples, batch_kwargs, ref):
     """This rank's shard through the parallel `model` against the TP = SP = 1 reference."""
     tp, sp = dims.tp, dims.sp
@@ -260,9 +266,9 @@ def _check_model(label, model, dims, samples, batch_kwargs, ref):
     ref_loss, ref_grads = _combine(ref["sums"], ref["grads"], dims.dp)
     loss = global_mean(torch.stack([loss_sum.detach(), count]))
     torch.testing.assert_close(torch.tensor(loss), ref_loss, **LOSS_TOL, msg=f"{label}: loss")
-    num_tokens = ps.all_reduce_over_data_and_sp(count.clone())
+    num_tokens = _sum_over_dp_and_sp(count.clone())
     for name, param in params.items():
-        grad = ps.all_reduce_over_data_and_sp(param.grad.detach().clone())
+        grad = _sum_over_dp_and_sp(param.grad.detach().clone())
         if tp > 1 and getattr(param, "sequence_parallel", False):
             dist.all_reduce(grad, group=mpu.get_tensor_model_parallel_group())
         expected = _tp_shard(ref_grads[name], param, tp, tp_rank)
