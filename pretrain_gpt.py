@@ -46,32 +46,12 @@ def _report_data_error(error: Exception, args) -> int:
     return 2
 
 
-def check_inputs(args) -> None:
-    """The tokenizer and the data files, before any process group: a tokenizer file that does
-    not load, damaged `.idx`/`.bin` files, and a `--split` that gives a split no documents (which
-    megatron-core would try to fill forever). Raises `ConfigError`."""
-    from megatron_ulysses.data.datasets import check_data_path
-    from megatron_ulysses.data.tokenizers import build_tokenizer, check_for_training
-
-    try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-        check_for_training(tokenizer, args.tokenizer_type, args.tokenizer_model)
-    except (ValueError, ImportError, OSError, RuntimeError) as error:
-        raise ConfigError(str(error)) from None
-    if args.data_path:
-        try:
-            check_data_path(args.data_path, split=args.split)
-        except (ValueError, OSError) as error:
-            raise ConfigError(str(error)) from None
-
-
 def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         if _is_rank_0():
             for warning in args.warnings:
                 print(f"pretrain_gpt.py: warning: {warning}", file=sys.stderr)
-        check_inputs(args)
     except ConfigError as error:
         return _report(error)
     import torch.distributed as dist
@@ -82,7 +62,7 @@ def main(argv=None) -> int:
 
     try:
         pretrain(args)
-    except ConfigError as error:  # e.g. a --load that does not match the flags
+    except ConfigError as error:  # tokenizer and data files, or a --load that does not match
         return _leave(_report(error))
     except DataError as error:  # a batch with token ids outside the vocabulary
         return _leave(_report_data_error(error, args))

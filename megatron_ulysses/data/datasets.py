@@ -92,7 +92,8 @@ def build_train_valid_test_datasets(
             f"give exactly one of --data-path (got {data_path!r}) and --mock-data "
             f"(got {mock_data})"
         )
-    blend = check_data_path(data_path, split=split) if data_path else None
+    # The files' contents and the split are check_data_path's, run once by the trainer first.
+    blend = parse_data_path(data_path) if data_path else None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,

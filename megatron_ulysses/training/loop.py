@@ -37,7 +37,7 @@ from ..data.datasets import (
     check_data_path,
 )
 from ..data.sharding import get_batch_for_sp_rank
-from ..data.tokenizers import build_tokenizer, padding_id
+from ..data.tokenizers import build_tokenizer, check_for_training, padding_id
 from ..layer_specs import build_gpt_model
 from ..loss import global_mean, loss_func, masked_sum
 from ..memory.activation_offload import enable_activation_offload
@@ -297,11 +297,15 @@ class SignalFlag:
 
 def pretrain(args) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
-    try:  # data and tokenizer files are checked before any process group exists
+    # Before any process group: a tokenizer file that does not load or has no EOD, damaged
+    # .idx/.bin files, and a --split that gives a split no documents (which megatron-core would
+    # try to fill forever). The only full read of the .idx files.
+    try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        check_for_training(tokenizer, args.tokenizer_type, args.tokenizer_model)
         if args.data_path:
-            check_data_path(args.data_path)
-    except (ValueError, FileNotFoundError) as error:
+            check_data_path(args.data_path, split=args.split)
+    except (ValueError, ImportError, OSError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
     initialize_distributed(args)
     args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size,
