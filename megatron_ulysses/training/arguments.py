@@ -210,8 +210,9 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def flag_name(dest: str) -> str:
+    """The command-line flag of an args attribute: `hidden_size` -> `--hidden-size`."""
+    return "--" + dest.replace("_", "-")
 
 
 def _check_range(args, name: str, low=None, high=None, low_open=False, high_open=False,
@@ -235,7 +236,7 @@ def _check_range(args, name: str, low=None, high=None, low_open=False, high_open
                         f"{'>' if low_open else '>='} {low}")
         else:
             interval = f"{'<' if high_open else '<='} {high}"
-        raise ConfigError(f"{_flag(name)} must be {interval}, got {value}")
+        raise ConfigError(f"{flag_name(name)} must be {interval}, got {value}")
 
 
 def _check_writable_dir(path: str, flag: str) -> None:
@@ -340,7 +341,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  "micro_batch_size", "train_iters" if args.train_iters is not None
                  else "train_samples", "log_interval", "eval_interval"):
         _require(getattr(args, flag) > 0,
-                 f"--{flag.replace('_', '-')} must be positive, got {getattr(args, flag)}")
+                 f"{flag_name(flag)} must be positive, got {getattr(args, flag)}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _check_ranges(args)
     args.warnings = []  # printed once, by rank 0, by pretrain_gpt.py
@@ -490,7 +491,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
     for name in ("save", "tensorboard_dir", "data_cache_path"):  # fail now, not after training
         if getattr(args, name) is not None:
-            _check_writable_dir(getattr(args, name), _flag(name))
+            _check_writable_dir(getattr(args, name), flag_name(name))
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(not (args.distributed_backend == "nccl" and not cuda),

@@ -54,7 +54,7 @@ from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
 from .. import parallel_state as ps
-from .arguments import ConfigError
+from .arguments import ConfigError, flag_name
 from .logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -475,7 +475,7 @@ def _flag(key: str) -> str:
     if key == "padded_vocab_size":
         return ("padded vocab size (from the tokenizer or --vocab-size, "
                 "--make-vocab-size-divisible-by and TP)")
-    return "--" + key.replace("_", "-")
+    return flag_name(key)
 
 
 def _check_args(path: str, saved: dict, args) -> None:
