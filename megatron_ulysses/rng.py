@@ -30,13 +30,20 @@ inside attention, different heads (attention dropout). So two sets of seeds:
                   weights were drawn from (also at SP rank 0). DP ranks share it (they read
                   different samples), as in Megatron-LM.
 
+`seed_dropout_streams` also seeds python's `random` and numpy's global generator from the dropout
+seed, as Megatron-LM seeds them: nothing of ours draws from them, but a library that does gives
+the same numbers run to run, and their states in a checkpoint are the same after a resume as
+without one.
+
 The dropout streams are the live ones from `seed_dropout_streams` on; `weight_init_streams` puts
 the weight-init streams in place for the duration of a model build and then restores the
 dropout streams exactly as they were.
 """
 
 import contextlib
+import random
 
+import numpy as np
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -62,8 +69,12 @@ def dropout_seed(seed: int, sp_rank: int = None, pp_rank: int = None) -> int:
 
 def seed_dropout_streams(seed: int) -> None:
     """Seed the default generator and the tracker's streams for dropout: per SP rank and
-    pipeline stage, model-parallel-rng also per TP rank. Needs the parallel state."""
-    cpu_compat.model_parallel_manual_seed(dropout_seed(seed))
+    pipeline stage, model-parallel-rng also per TP rank; python's `random` and numpy's global
+    generator with the same seed. Needs the parallel state."""
+    base = dropout_seed(seed)
+    random.seed(base)
+    np.random.seed(base % 2**32)
+    cpu_compat.model_parallel_manual_seed(base)
 
 
 def _get_states():

@@ -29,6 +29,10 @@ workers: SP 2, TP 2 (with and without --sequence-parallel) and SP 1 x DP 2 as th
     dropout 0, SP 2's loss equals SP 1's.
 """
 
+import os
+import random
+
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -80,9 +84,15 @@ def _args(tp, sp, sequence_parallel=False, attention_dropout=0.0, hidden_dropout
 
 
 def _init(args):
-    """The loop's initialization on the workers' existing process group."""
+    """The loop's initialization on the workers' existing process group; it seeds python's
+    `random` and numpy's global generator from the dropout seed too (a resume restores them)."""
     assert not ps.is_initialized()
+    random.seed(os.getpid())
+    np.random.seed(os.getpid())
     loop.initialize_distributed(args)
+    base = rng.dropout_seed(SEED)
+    assert random.getstate() == random.Random(base).getstate()
+    assert np.random.rand() == np.random.RandomState(base).rand()
 
 
 def _gather(tensor, group=None):
