@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron_ulysses.data.datasets import (
     PretrainingSampler,
@@ -20,10 +21,15 @@ def tokenizer(sp_model):
 
 
 @pytest.fixture(scope="module")
-def train_dataset(corpus_prefix, tokenizer, tmp_path_factory):
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def train_dataset(corpus_prefix, tokenizer, cache_dir):
     train, valid, test = build_train_valid_test_datasets(
         tokenizer, SEQ_LEN, [200, 20, None], data_path=[corpus_prefix], split="90,10,0",
-        data_cache_path=str(tmp_path_factory.mktemp("cache")),
+        data_cache_path=cache_dir,
     )
     assert test is None and len(valid) >= 20
     return train
@@ -35,11 +41,43 @@ def test_samples_are_shifted_windows(train_dataset, tokenizer):
     assert set(sample) == {"tokens", "labels", "loss_mask", "position_ids"}
     assert sample["tokens"].shape == (SEQ_LEN,)
     assert torch.equal(sample["tokens"][1:], sample["labels"][:-1])
-    # Resets are left to sharding: megatron-core must hand out plain positions and full loss.
+    # Built without --reset-position-ids/--eod-mask-loss: plain positions and full loss.
     assert torch.equal(sample["position_ids"], torch.arange(SEQ_LEN))
     assert (sample["loss_mask"] == 1).all()
     # Packed documents: several EODs per window on this corpus.
     assert (sample["tokens"] == tokenizer.eod).sum() >= 1
+
+
+def test_dataset_applies_megatron_resets(corpus_prefix, tokenizer, cache_dir, train_dataset):
+    """With the flags, megatron-core's GPTDataset resets positions and masks the EOD loss; the SP
+    loader then only pads and shards, and gives the same shards as applying them itself."""
+    reset, _, _ = build_train_valid_test_datasets(
+        tokenizer, SEQ_LEN, [200, 20, None], data_path=[corpus_prefix], split="90,10,0",
+        data_cache_path=cache_dir, reset_position_ids=True, eod_mask_loss=True,
+    )
+    eod, pad = tokenizer.eod, padding_id(tokenizer)
+    for index in range(3):
+        sample, plain = reset[index], train_dataset[index]
+        assert torch.equal(sample["tokens"], plain["tokens"])
+        _, loss_mask, positions = _get_ltor_masks_and_position_ids(
+            sample["tokens"], eod, True, False, True, False)
+        assert torch.equal(sample["position_ids"], positions)
+        assert torch.equal(sample["loss_mask"], loss_mask)
+        assert not torch.equal(positions, plain["position_ids"])  # the window holds an EOD
+    loader = torch.utils.data.DataLoader(reset, batch_size=2)
+    plain_loader = torch.utils.data.DataLoader(train_dataset, batch_size=2)
+    batch, plain = next(iter(loader)), next(iter(plain_loader))
+    for sp_rank in range(3):  # SEQ_LEN 64 is padded to 66 for SP size 3
+        from_dataset = get_batch_for_sp_rank(batch, sp_rank, 3, pad, eod,
+                                             reset_attention_mask=True)
+        from_loader = get_batch_for_sp_rank(plain, sp_rank, 3, pad, eod, reset_position_ids=True,
+                                            reset_attention_mask=True, eod_mask_loss=True)
+        twice = get_batch_for_sp_rank(batch, sp_rank, 3, pad, eod, reset_position_ids=True,
+                                      reset_attention_mask=True, eod_mask_loss=True)
+        for key in ("tokens", "labels", "loss_mask", "position_ids", "cu_seqlens"):
+            assert torch.equal(from_dataset[key], from_loader[key]), key
+            assert torch.equal(from_dataset[key], twice[key]), key
+    assert from_dataset["loss_mask"][:, -2:].eq(0).all()  # the 2 padding columns
 
 
 def test_weighted_blend_and_mock_data(corpus_prefix, tokenizer):

@@ -7,10 +7,10 @@ from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron_ulysses.data.sharding import (
     SEQUENCE_KEYS,
+    apply_resets,
     document_boundaries,
     get_batch_for_sp_rank,
     pad_to_multiple,
-    reset_position_ids,
     shard_for_sp_rank,
 )
 
@@ -99,9 +99,33 @@ def test_reset_position_ids_and_eod_mask_match_megatron():
         assert torch.equal(loss_mask[row], megatron_loss_mask)
 
 
-def test_reset_position_ids_by_hand():
+def test_resets_by_hand():
     tokens = torch.tensor([[5, EOD, 6, 7, EOD, EOD, 8]])
-    assert reset_position_ids(tokens, EOD).tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    batch = {"tokens": tokens, "labels": tokens, "loss_mask": torch.tensor([[1., 1, 0, 1, 1, 1, 1]]),
+             "position_ids": torch.arange(7).unsqueeze(0)}
+    reset = apply_resets(batch, EOD, reset_position_ids=True, eod_mask_loss=True)
+    assert reset["position_ids"].tolist() == [[0, 1, 0, 1, 2, 0, 0]]
+    # The EOD mask adds to the incoming mask (here a 0 at column 2) and keeps its dtype.
+    assert reset["loss_mask"].tolist() == [[1, 0, 0, 1, 0, 0, 1]]
+    assert reset["loss_mask"].dtype == torch.float32
+    assert apply_resets(batch, EOD, False, False) is batch
+    only_positions = apply_resets(batch, EOD, reset_position_ids=True, eod_mask_loss=False)
+    assert only_positions["loss_mask"] is batch["loss_mask"]
+    # Applying them again changes nothing (samples from a dataset built with them).
+    again = apply_resets(reset, EOD, reset_position_ids=True, eod_mask_loss=True)
+    assert all(torch.equal(again[key], reset[key]) for key in SEQUENCE_KEYS)
+
+
+def test_reset_positions_then_padding():
+    """Resets act on the unpadded sequence; padding then gets loss_mask 0 and counts on."""
+    batch = {"tokens": torch.tensor([[5, EOD, 6, 7, 8, EOD]]),
+             "labels": torch.tensor([[EOD, 6, 7, 8, EOD, 2]]), "loss_mask": torch.ones(1, 6),
+             "position_ids": torch.arange(6).unsqueeze(0)}
+    shards = gather_shards(batch, 4, reset_position_ids=True, eod_mask_loss=True)
+    positions = torch.cat([s["position_ids"] for s in shards], 1)
+    loss_mask = torch.cat([s["loss_mask"] for s in shards], 1)
+    assert positions.tolist() == [[0, 1, 0, 1, 2, 3, 4, 5]]
+    assert loss_mask.tolist() == [[1, 0, 1, 1, 1, 0, 0, 0]]
 
 
 def test_document_boundaries_by_hand():

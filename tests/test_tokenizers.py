@@ -1,5 +1,6 @@
 """Tokenizers: Megatron-LM special-id semantics, errors naming flags, and the trainer tool."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -9,17 +10,22 @@ import train_tokenizer
 from conftest import CORPUS, TINY_VOCAB
 
 from megatron_ulysses.data.tokenizers import (
-    GPTSentencePieceTokenizer,
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
+    check_for_training,
     padding_id,
 )
+
+
+def is_megatron_core_tokenizer(tokenizer) -> bool:
+    return type(tokenizer).__module__.startswith("megatron.core.tokenizers.")
+
 
 def test_gpt_sentencepiece_ids_follow_megatron(sp_model):
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
     processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
-    assert isinstance(tokenizer, GPTSentencePieceTokenizer)
+    assert is_megatron_core_tokenizer(tokenizer)
     assert tokenizer.vocab_size == TINY_VOCAB
     assert tokenizer.eod == tokenizer.eos == train_tokenizer.EOS_ID
     assert (tokenizer.bos, tokenizer.pad) == (train_tokenizer.BOS_ID, train_tokenizer.PAD_ID)
@@ -28,6 +34,7 @@ def test_gpt_sentencepiece_ids_follow_megatron(sp_model):
     assert ids == processor.encode_as_ids(text)
     assert tokenizer.detokenize(ids) == text
     assert padding_id(tokenizer) == train_tokenizer.PAD_ID
+    check_for_training(tokenizer, "GPTSentencePieceTokenizer", sp_model)
 
 
 def test_sentencepiece_adds_megatron_special_tokens(sp_model):
@@ -54,17 +61,85 @@ def test_null_tokenizer_matches_megatron():
     assert tokenizer.eod == 100 and tokenizer.eos == 100
     assert tokenizer.vocab_size == 101
     assert tokenizer.tokenize("3 1 4") == [3, 1, 4]
+    assert tokenizer.tokenize(" 3\t1  4\n") == [3, 1, 4]  # any whitespace, as preprocess checks
     assert tokenizer.detokenize([3, 1, 4]) == "3 1 4"
     with pytest.raises(NotImplementedError):
         tokenizer.pad
     assert padding_id(tokenizer) == 100
+    check_for_training(tokenizer, "NullTokenizer")
 
 
-def test_unique_identifiers_describe_the_tokenizer(sp_model):
-    tokenizer = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
-    assert tokenizer.unique_identifiers["class"] == "GPTSentencePieceTokenizer"
-    assert tokenizer.unique_identifiers["tokenizer_path"] == [sp_model]
-    assert sp_model in tokenizer.unique_description
+def test_unique_identifiers_tell_tokenizers_apart(sp_model):
+    """megatron-core's datasets name their index caches by these: the two sentencepiece types
+    give other ids for the same model, so they must not share caches."""
+    gpt = build_tokenizer("GPTSentencePieceTokenizer", sp_model)
+    megatron_lm = build_tokenizer("SentencePieceTokenizer", sp_model)
+    extra = build_tokenizer("SentencePieceTokenizer", sp_model, vocab_extra_ids=2)
+    assert gpt.unique_identifiers["tokenizer_path"] == sp_model
+    assert gpt.unique_identifiers["class"].endswith("GPTTokenizer")
+    assert megatron_lm.unique_identifiers["class"].endswith("tokenizers.SentencePieceTokenizer")
+    assert megatron_lm.unique_identifiers["tokenizer_path"] == sp_model
+    described = {json.dumps(t.unique_identifiers) for t in (gpt, megatron_lm, extra)}
+    assert len(described) == 3
+    assert build_tokenizer("NullTokenizer", vocab_size=7).unique_identifiers != \
+        build_tokenizer("NullTokenizer", vocab_size=8).unique_identifiers
+    # Why SentencePieceTokenizer is ours: megatron-core's sentencepiece eod is the model's eos.
+    assert gpt.eod == gpt.eos != megatron_lm.eod
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A local HuggingFace tokenizer directory whose post-processor adds a BOS."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    backend.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    path = tmp_path_factory.mktemp("hf") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>").save_pretrained(str(path))
+    return str(path)
+
+
+def test_huggingface_is_megatron_cores_without_added_special_tokens(hf_dir):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_dir)
+    assert is_megatron_core_tokenizer(tokenizer)
+    assert tokenizer.vocab_size == len(reference) == 300
+    assert tokenizer.eod == reference.eos_token_id == reference.convert_tokens_to_ids("</s>")
+    assert (tokenizer.bos, tokenizer.pad) == (reference.bos_token_id, reference.pad_token_id)
+    assert padding_id(tokenizer) == reference.pad_token_id
+    text = "The baker starts work long before the town is awake."
+    assert reference(text).input_ids[0] == reference.bos_token_id
+    assert tokenizer.tokenize(text) == reference(text, add_special_tokens=False).input_ids
+    assert tokenizer.detokenize(tokenizer.tokenize(text)) == reference.decode(
+        reference(text, add_special_tokens=False).input_ids)
+    check_for_training(tokenizer, "HuggingFaceTokenizer", hf_dir)
+
+
+def test_huggingface_garbage_directory_names_flag(tmp_path):
+    pytest.importorskip("transformers")
+    (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
+    with pytest.raises(ValueError, match="--tokenizer-model .* is not a HuggingFace tokenizer"):
+        build_tokenizer("HuggingFaceTokenizer", str(tmp_path))
+
+
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "SentencePieceTokenizer"])
+def test_not_a_sentencepiece_model_names_flag(tmp_path, tokenizer_type):
+    (tmp_path / "x.model").write_bytes(b"not a model")
+    with pytest.raises(ValueError, match=f"--tokenizer-model .*x.model.* is not a sentencepiece "
+                                         f"model .*--tokenizer-type {tokenizer_type}"):
+        build_tokenizer(tokenizer_type, str(tmp_path / "x.model"))
+    with pytest.raises(ValueError, match="is a directory"):
+        build_tokenizer(tokenizer_type, str(tmp_path))
 
 
 def test_unknown_type_names_flag_and_choices():

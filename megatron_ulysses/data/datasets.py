@@ -9,12 +9,10 @@ import math
 import os
 import re
 import struct
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 import torch
-
-from megatron_ulysses.data.tokenizers import TokenizerBase
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -53,7 +51,7 @@ def _every_rank() -> bool:
 
 
 def build_train_valid_test_datasets(
-    tokenizer: TokenizerBase,
+    tokenizer: Any,
     seq_length: int,
     train_valid_test_num_samples: Sequence[Optional[int]],
     data_path: Optional[List[str]] = None,
@@ -62,6 +60,8 @@ def build_train_valid_test_datasets(
     seed: int = 1234,
     data_cache_path: Optional[str] = None,
     is_built_on_rank: Callable[[], bool] = _every_rank,
+    reset_position_ids: bool = False,
+    eod_mask_loss: bool = False,
 ) -> Tuple:
     """Build (train, valid, test) megatron-core ``GPTDataset`` splits; a split is ``None`` when
     its weight in ``split`` is 0.
@@ -77,9 +77,14 @@ def build_train_valid_test_datasets(
             weighted blend.
         is_built_on_rank: collective-aware builder hook; when ``torch.distributed`` is
             initialised the builder calls ``barrier`` and must be called on every rank.
+        reset_position_ids, eod_mask_loss: ``--reset-position-ids``/``--eod-mask-loss``, applied
+            by megatron-core's ``GPTDataset`` to each sample (``GPTDatasetConfig``).
 
-    Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, with
-    Megatron's EOD/position/attention resets left to ``sharding`` (they must follow padding).
+    Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, built
+    by ``tokenizer`` (one of ``build_tokenizer``'s). ``--reset-attention-mask`` is not passed on:
+    ``GPTDatasetConfig.reset_attention_mask`` only shapes the dense ``[s, s]`` attention mask
+    (off here, ``create_attention_mask=False``); ``sharding.document_boundaries`` gives the
+    attention its ``cu_seqlens`` instead.
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -101,9 +106,9 @@ def build_train_valid_test_datasets(
         split=split if blend is not None else None,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
-        reset_position_ids=False,
+        reset_position_ids=reset_position_ids,
         reset_attention_mask=False,
-        eod_mask_loss=False,
+        eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
     dataset_cls = MockGPTDataset if mock_data else GPTDataset

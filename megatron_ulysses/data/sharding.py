@@ -1,6 +1,12 @@
 """Pure tensor functions that turn a GPT micro batch into one Ulysses rank's sequence shard.
 
-No process groups here: callers pass ``sp_rank``/``sp_size``.
+No process groups here: callers pass ``sp_rank``/``sp_size``. ``--reset-position-ids`` and
+``--eod-mask-loss`` are megatron-core's (``GPTDatasetConfig``, or its
+``_get_ltor_masks_and_position_ids`` here for batches from a dataset built without them).
+``document_boundaries`` is ours because megatron-core 0.16's ``GPTDataset`` gives document
+boundaries only as a dense ``[s, s]`` attention mask and 0.19's ``inter_document_masking`` gives
+per-sample ``cu_seqlens`` over the unpadded ``s``, while the attention needs them over the
+flattened ``[b*s']`` batch padded to a multiple of ``P``, with the padding as its own segment.
 
 Glossary: ``b`` micro batch size, ``s`` full sequence length, ``P`` Ulysses SP size,
 ``s/P`` local sequence length. ``labels`` are already shifted (``labels[:, i]`` is the token
@@ -10,6 +16,7 @@ after ``tokens[:, i]``), as megatron-core's ``GPTDataset`` returns them.
 from typing import Dict, Optional, Tuple
 
 import torch
+from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
 
 from megatron_ulysses.data.datasets import DataError
 
@@ -74,14 +81,23 @@ def document_boundaries(
     return cu_seqlens, max_seqlen
 
 
-def reset_position_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """``[b, s]`` position ids that restart at 0 after every EOD (Megatron-LM
-    ``--reset-position-ids``); the EOD itself keeps the position of its document."""
-    seq_len = tokens.shape[1]
-    arange = torch.arange(seq_len, device=tokens.device).expand_as(tokens)
-    starts = _document_starts(tokens, eod_id)
-    document_start = torch.cummax(torch.where(starts, arange, torch.zeros_like(arange)), dim=1)
-    return arange - document_start.values
+def apply_resets(batch: Dict[str, torch.Tensor], eod_id: int, reset_position_ids: bool,
+                 eod_mask_loss: bool) -> Dict:
+    """``--reset-position-ids`` (positions restart after every EOD) and ``--eod-mask-loss``
+    (loss_mask 0 on EOD tokens) on a collated ``[b, s]`` batch, row by row with the function
+    megatron-core's ``GPTDataset`` applies them with; a sample that already has them is
+    unchanged."""
+    if not (reset_position_ids or eod_mask_loss):
+        return batch
+    rows = [_get_ltor_masks_and_position_ids(row, eod_id, reset_position_ids, False,
+                                             eod_mask_loss, False) for row in batch["tokens"]]
+    batch = dict(batch)
+    if eod_mask_loss:
+        eod_mask = torch.stack([loss_mask for _, loss_mask, _ in rows])
+        batch["loss_mask"] = batch["loss_mask"].masked_fill(eod_mask == 0, 0)
+    if reset_position_ids:
+        batch["position_ids"] = torch.stack([positions for _, _, positions in rows])
+    return batch
 
 
 def shard_for_sp_rank(batch: Dict, sp_rank: int, sp_size: int) -> Dict:
@@ -121,10 +137,6 @@ def check_token_ids(sample_batch: Dict[str, torch.Tensor], vocab_size: int) -> N
         )
 
 
-# get_batch_for_sp_rank's flag arguments share the Megatron-LM names and shadow the function.
-_reset_position_ids = reset_position_ids
-
-
 def get_batch_for_sp_rank(
     sample_batch: Dict[str, torch.Tensor],
     sp_rank: int,
@@ -138,13 +150,15 @@ def get_batch_for_sp_rank(
 ) -> Dict:
     """One SP rank's share of a collated ``GPTDataset`` batch, computed on CPU.
 
-    Applies ``--eod-mask-loss`` and ``--reset-position-ids`` on the full sequence, pads ``s`` to
-    a multiple of ``P``, computes ``cu_seqlens``/``max_seqlen`` over the padded ``[b*s']``
-    sequence when ``reset_attention_mask`` (padding is its own final segment per sample), then
-    shards.
+    Applies ``--eod-mask-loss`` and ``--reset-position-ids`` (``apply_resets``) on the unpadded
+    sequence, pads ``s`` to a multiple of ``P`` (padding: loss_mask 0, positions counting on),
+    computes ``cu_seqlens``/``max_seqlen`` over the padded ``[b*s']`` sequence when
+    ``reset_attention_mask`` (padding is its own final segment per sample), then shards.
 
     Args:
         sample_batch: ``tokens labels loss_mask position_ids``, each ``[b, s]``.
+        reset_position_ids, eod_mask_loss: needed only when the dataset was built without them
+            (``build_train_valid_test_datasets``); passing them again changes nothing.
         vocab_size: the tokenizer's vocabulary size; when given, token ids outside
             ``[0, vocab_size)`` raise ``DataError`` (a ``ValueError``) here, on CPU, instead of
             an index error in the embedding (a device-side assert on GPU).
@@ -155,18 +169,8 @@ def get_batch_for_sp_rank(
     tokens = sample_batch["tokens"]
     if vocab_size is not None:
         check_token_ids(sample_batch, vocab_size)
-    loss_mask = sample_batch["loss_mask"].clone()
-    if eod_mask_loss:
-        loss_mask[tokens == eod_id] = 0
-    position_ids = (
-        _reset_position_ids(tokens, eod_id) if reset_position_ids else sample_batch["position_ids"]
-    )
-    batch = {
-        "tokens": tokens,
-        "labels": sample_batch["labels"],
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
-    }
+    batch = apply_resets({key: sample_batch[key] for key in SEQUENCE_KEYS}, eod_id,
+                         reset_position_ids, eod_mask_loss)
     batch = pad_to_multiple(batch, sp_size, pad_id)
     if reset_attention_mask:
         batch["cu_seqlens"], batch["max_seqlen"] = document_boundaries(
