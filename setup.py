@@ -22,6 +22,7 @@ setup(
     extras_require={
         "te": ["transformer-engine[pytorch]"],
         "deepspeed": ["deepspeed"],
-        "test": ["pytest"],
+        "hf": ["transformers>=4.45", "safetensors"],  # Hugging Face import / export
+        "test": ["pytest", "transformers>=4.45", "safetensors"],
     },
 )
