@@ -10,8 +10,13 @@ outside the vocabulary are found when a batch is read, and end the run the same 
 import os
 import sys
 import traceback
+import warnings
 
-from megatron_ulysses.training.arguments import ConfigError, parse_args
+# megatron-core announces its fallbacks on import; without apex (and on CPU without TE) they are
+# expected here.
+warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
+
+from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
 
 
 def _is_rank_0() -> bool:
@@ -25,7 +30,7 @@ def _report(error: Exception) -> int:
     return 2
 
 
-def _report_data_error(error: Exception, args) -> int:
+def _report_data_error(error: Exception, config) -> int:
     """A bad batch is found only by the ranks that read it (one data-parallel replica, say):
     the first rank of each such model replica says it; torchrun then stops the other ranks."""
     from megatron_ulysses import parallel_state as ps
@@ -41,16 +46,17 @@ def _report_data_error(error: Exception, args) -> int:
     except (AssertionError, RuntimeError):  # the groups are gone: say it anyway
         pass
     if first_of_replica:
-        data = f" (--data-path {' '.join(args.data_path)})" if args.data_path else ""
+        data_path = config.data.data_path
+        data = f" (--data-path {' '.join(data_path)})" if data_path else ""
         print(f"pretrain_gpt.py: error: {error}{data}", file=sys.stderr)
     return 2
 
 
 def main(argv=None) -> int:
     try:
-        args = parse_args(argv)
+        config = parse_args(argv)
         if _is_rank_0():
-            for warning in args.warnings:
+            for warning in config.warnings:
                 print(f"pretrain_gpt.py: warning: {warning}", file=sys.stderr)
     except ConfigError as error:
         return _report(error)
@@ -61,11 +67,11 @@ def main(argv=None) -> int:
     from megatron_ulysses.training.loop import pretrain
 
     try:
-        pretrain(args)
+        pretrain(config)
     except ConfigError as error:  # tokenizer and data files, or a --load that does not match
         return _leave(_report(error))
     except DataError as error:  # a batch with token ids outside the vocabulary
-        return _leave(_report_data_error(error, args))
+        return _leave(_report_data_error(error, config))
     except BaseException:
         if not _alone():
             traceback.print_exc()

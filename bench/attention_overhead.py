@@ -1,7 +1,7 @@
 """UlyssesAttention at SP=1 against the same local backend called directly, forward + backward.
 
 Both sides share one module: `attn` (UlyssesAttention over a size-1 SP group) and
-`attn.local_attention` (the backend it wraps), so the ratio is the wrapper's own cost. Each
+`attn.backend_attention` (the backend it wraps), so the ratio is the wrapper's own cost. Each
 backend (TE, SDPA) runs at every length, rounds interleaved (wrapped, direct, wrapped, ...), and
 the median iteration of each side gives TFLOP/s; ratio = direct time / wrapped time (goal >= 0.99).
 
@@ -201,7 +201,7 @@ def main():
             attn = UlyssesAttention(config_fn(heads, groups, d), 1, backend=backend).cuda()
             runs = {
                 "wrapped": fwd_bwd(lambda q, k, v: attn(q, k, v, None), q, k, v, grad),
-                "direct": fwd_bwd(lambda q, k, v: attn.local_attention(q, k, v), q, k, v, grad4),
+                "direct": fwd_bwd(lambda q, k, v: attn.backend_attention(q, k, v), q, k, v, grad4),
             }
             try:
                 t = time_side_by_side(runs, args.warmup, args.iters, args.rounds)
@@ -222,7 +222,7 @@ def main():
         if te_available():
             te = UlyssesAttention(config_fn(heads, groups, d), 1, backend="te").cuda()
             runs["TE DotProductAttention (sbhd, GQA native)"] = fwd_bwd(
-                lambda q, k, v: te.local_attention(q, k, v), q, k, v, grad4)
+                lambda q, k, v: te.backend_attention(q, k, v), q, k, v, grad4)
         t = {}
         for name, run in runs.items():  # one at a time: a kernel may refuse the shape
             try:

@@ -130,7 +130,7 @@ def count_in_worker(rank, world_size, port, args, queue):
 
     from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.layer_specs import build_gpt_model
-    from megatron_ulysses.training import cpu_compat
+    from megatron_ulysses import cpu_compat
 
     cpu_compat.install()
     ps.initialize_model_parallel(ulysses_sp_size=world_size)

@@ -24,8 +24,8 @@ if torch.cuda.is_available():
     torch.backends.cudnn.version()
 
 from megatron_ulysses import parallel_state as ps
-from megatron_ulysses.training import cpu_compat
-from megatron_ulysses.training.loop import start_process_group
+from megatron_ulysses import cpu_compat
+from megatron_ulysses.parallel_state import start_process_group
 
 H200_PEAK_TFLOPS = 989.0  # dense bf16, datasheet (MFU denominator, as in BASELINES.md)
 GIB = 1 << 30

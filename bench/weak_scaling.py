@@ -37,7 +37,7 @@ def run_phase(sp, seq, shape, args):
     trainer = harness.Trainer(model, config, optimizer=not args.no_optimizer)
     trainer.init_optimizer_state()
     tokens, labels, position_ids = harness.random_batch(
-        shape, seq, seed=ps.get_data_parallel_rank())
+        shape, seq, seed=ps.get_pure_data_parallel_rank())
     local = shard_for_sp_rank(
         {"tokens": tokens, "labels": labels, "position_ids": position_ids},
         ps.get_ulysses_sp_rank(), sp,

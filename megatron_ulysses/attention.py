@@ -23,7 +23,7 @@ from megatron.core.transformer.module import MegatronModule
 
 from . import parallel_state as ps
 from .all_to_all import output_to_sequence_sharded, qkv_to_head_sharded
-from .backends import build_local_attention, resolve_backend
+from .backends import build_backend_attention, resolve_backend
 
 
 class UlyssesAttention(MegatronModule):
@@ -51,7 +51,7 @@ class UlyssesAttention(MegatronModule):
         self.backend = resolve_backend(backend)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.fork_dropout_rng = not config.sequence_parallel  # else the block runs under it
-        self.local_attention = build_local_attention(
+        self.backend_attention = build_backend_attention(
             self.backend, config, layer_number, self.num_heads, self.num_kv_heads,
             softmax_scale, attention_dropout,
         )
@@ -82,20 +82,34 @@ class UlyssesAttention(MegatronModule):
                     f"global cu_seqlens over [b*s]; got qkv_format={packed_seq_params.qkv_format!r}"
                 )
             cu_seqlens, max_seqlen = packed_seq_params.cu_seqlens_q, packed_seq_params.max_seqlen_q
+        self._check_head_counts(query, key)
         s_local, b = query.shape[:2]
-        assert query.shape[2] == self.num_heads * self.sp_size, (
-            f"query has {query.shape[2]} heads, expected {self.num_heads * self.sp_size}"
-        )
         if self.sp_size == 1:
             with self._dropout_rng():
-                out = self.local_attention(query, key, value, cu_seqlens, max_seqlen)
+                out = self.backend_attention(query, key, value, cu_seqlens, max_seqlen)
             return out.reshape(s_local, b, -1)
         q, k, v = qkv_to_head_sharded(query, key, value, self.sp_group)
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(q.device)
         with self._dropout_rng():
-            out = self.local_attention(q, k, v, cu_seqlens, max_seqlen)
+            out = self.backend_attention(q, k, v, cu_seqlens, max_seqlen)
         return output_to_sequence_sharded(out, self.sp_group)
+
+    def _check_head_counts(self, query, key):
+        """q `[s/P, b, H, d]`, k `[s/P, b, G, d]` carry this TP rank's share of the config's heads
+        (the exchange checks that the shapes split over SP ranks)."""
+        tp = self.config.tensor_model_parallel_size
+        for name, tensor, letter, flag, total in (
+            ("query", query, "H", "--num-attention-heads", self.config.num_attention_heads),
+            ("key", key, "G", "--num-query-groups", self.config.num_query_groups),
+        ):
+            if tensor.shape[2] != total // tp:
+                raise ValueError(
+                    f"{name} [s/P, b, {letter}, d] {list(tensor.shape)} has {letter} = "
+                    f"{tensor.shape[2]} heads, expected {flag} / --tensor-model-parallel-size "
+                    f"({total} / {tp} = {total // tp}) of the config UlyssesAttention was built "
+                    "with"
+                )
 
     def _dropout_rng(self):
         """This head group's dropout stream, the tracker's model-parallel-rng (per TP x SP x PP

@@ -1,4 +1,4 @@
-"""Local attention backends run by UlyssesAttention after the exchange, on head-sharded tensors.
+"""The attention backends UlyssesAttention runs after the exchange, on head-sharded tensors.
 
 Every backend maps q `[s, b, Hl, d]`, k, v `[s, b, Gl, d]` (Hl = H/P query heads, Gl = G'/P kv
 heads of this rank, full sequence `s`) to `[s, b, Hl, d]`, causally. With packed documents,
@@ -178,7 +178,7 @@ class TEAttention(torch.nn.Module):
         return out.view(b, s, h, d).transpose(0, 1)
 
 
-def build_local_attention(backend, config, layer_number, num_heads, num_kv_heads, softmax_scale,
+def build_backend_attention(backend, config, layer_number, num_heads, num_kv_heads, softmax_scale,
                           attention_dropout):
     """The backend module for Hl = `num_heads` query and Gl = `num_kv_heads` kv heads."""
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout

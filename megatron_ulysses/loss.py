@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from .training import cpu_compat
+from . import cpu_compat
 
 
 def masked_sum(per_token_loss: torch.Tensor, loss_mask: torch.Tensor):

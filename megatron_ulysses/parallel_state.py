@@ -10,12 +10,18 @@ group sits on one node when TP x P <= GPUs per node); the pure-DP groups decide 
 reads, so every rank of one SP group reads the same sample.
 """
 
+import datetime
+import os
+import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.parallel_state import RankGenerator
+
+from . import cpu_compat
 
 _ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default; our SP takes the 'cp' slot of the generator
 
@@ -99,6 +105,26 @@ class ParallelDims:
             )
 
 
+def start_process_group(backend: str, timeout_minutes: int = 10) -> None:
+    """The default process group from torchrun's environment (a world of one without it), on
+    this process's GPU, or on CPU with the compat shim installed. One that exists already (a
+    test's workers) is kept."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    else:
+        cpu_compat.install()
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(port))
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+
+
 _DIMS: Optional[ParallelDims] = None
 _SP_GROUP = None
 _SP_RANKS = None
@@ -110,21 +136,27 @@ def initialize_model_parallel(
     tensor_model_parallel_size: int = 1,
     pipeline_model_parallel_size: int = 1,
     ulysses_sp_size: int = 1,
+    dims: Optional[ParallelDims] = None,
     **megatron_kwargs,
 ) -> ParallelDims:
-    """Initialize megatron-core's parallel state (CP = 1) and the Ulysses SP / pure-DP groups.
+    """Initialize megatron-core's parallel state (CP = 1) and the Ulysses SP / pure-DP groups,
+    from the sizes or from the run's `dims` (whose world size must be this world's).
 
     `torch.distributed` must already be initialized. Returns the run's `ParallelDims`.
     """
     global _DIMS, _SP_GROUP, _SP_RANKS, _DP_GROUP, _DP_RANKS
     if _DIMS is not None:
         raise RuntimeError("megatron_ulysses parallel state is already initialized")
-    dims = ParallelDims(
-        world_size=dist.get_world_size(),
-        tp=tensor_model_parallel_size,
-        pp=pipeline_model_parallel_size,
-        sp=ulysses_sp_size,
-    )
+    if dims is None:
+        dims = ParallelDims(
+            world_size=dist.get_world_size(),
+            tp=tensor_model_parallel_size,
+            pp=pipeline_model_parallel_size,
+            sp=ulysses_sp_size,
+        )
+    elif dims.world_size != dist.get_world_size():
+        raise RuntimeError(f"the run was configured for {dims.world_size} processes, but the "
+                           f"process group has {dist.get_world_size()}")
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
@@ -178,19 +210,20 @@ def get_ulysses_sp_rank() -> int:
     return _SP_RANKS.index(dist.get_rank())
 
 
-
-def get_data_parallel_group():
+# "pure" DP: the ranks that read different samples. megatron-core's `mpu.get_data_parallel_*`
+# is DP x SP: the ranks gradients are reduced over.
+def get_pure_data_parallel_group():
     """The pure-DP group (ranks holding different samples), without the SP ranks."""
     _require()
     return _DP_GROUP
 
 
-def get_data_parallel_world_size() -> int:
+def get_pure_data_parallel_world_size() -> int:
     _require()
     return _DIMS.dp
 
 
-def get_data_parallel_rank() -> int:
+def get_pure_data_parallel_rank() -> int:
     _require()
     return _DP_RANKS.index(dist.get_rank())
 

@@ -1,7 +1,7 @@
 """Random streams under Ulysses SP: the same weights on every rank, different dropout masks on
 every sequence shard and head group.
 
-megatron-core draws from two kinds of stream, on GPU and (through `training.cpu_compat`) on CPU
+megatron-core draws from two kinds of stream, on GPU and (through `cpu_compat`) on CPU
 alike:
 
     default generator     torch's own (CPU, and CUDA on GPU): CPU weight initialization and the
@@ -49,7 +49,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 
 from . import parallel_state as ps
-from .training import cpu_compat
+from . import cpu_compat
 
 # The SP stride exceeds every offset megatron-core adds within one seeding (2718 + TP rank, 1024
 # + 100 x EP rank + ETP rank) plus 100 x PP rank, so no two dropout streams of different ranks,

@@ -13,7 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ulysses import all_to_all
 from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.attention import UlyssesAttention
-from megatron_ulysses.training import cpu_compat
+from megatron_ulysses import cpu_compat
 
 from distributed import spawn
 

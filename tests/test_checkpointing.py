@@ -44,22 +44,26 @@ ROPE = ["--position-embedding-type", "rope"]
 # --- worker helpers (run inside gloo workers) ---------------------------------------------------
 
 def _build(world: int, *flags: str):
-    """args, model, optimizer, scheduler as pretrain() builds them, on an existing gloo group."""
+    """config, model, optimizer, scheduler as pretrain() builds them, on an existing gloo
+    group."""
+    from megatron_ulysses import cpu_compat
     from megatron_ulysses import parallel_state as ps
-    from megatron_ulysses.training import cpu_compat, loop
+    from megatron_ulysses.training import model as builders
     from megatron_ulysses.training.arguments import padded_vocab_size, parse_args
+    from megatron_ulysses.training.optimizer import build_optimizer
 
     cpu_compat.install()
-    args = parse_args(BASE + list(flags), world_size=world)
-    args.padded_vocab_size = padded_vocab_size(args.vocab_size, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
-    ps.initialize_model_parallel(args.tensor_model_parallel_size,
-                                 args.pipeline_model_parallel_size, args.ulysses_sp_size)
-    cpu_compat.model_parallel_manual_seed(args.seed)
-    model = loop.build_model(args, loop.transformer_config(args))
-    optimizer = loop.build_optimizer(args, model)
+    config = parse_args(BASE + list(flags), world_size=world)
+    config = config.with_padded_vocab_size(padded_vocab_size(
+        config.data.vocab_size, config.model.make_vocab_size_divisible_by, config.dims.tp))
+    ps.initialize_model_parallel(dims=config.dims)
+    cpu_compat.model_parallel_manual_seed(config.training.seed)
+    model = builders.build_model(config.model, config.optimizer, config.training.seed,
+                                 builders.transformer_config(config.model, config.dims))
+    optimizer = build_optimizer(config.optimizer, config.model, model)
     optimizer.step()  # zero gradients: Adam states exist, as in a checkpoint of a real run
-    return args, model, optimizer, loop.build_scheduler(args, optimizer)
+    return config, model, optimizer, builders.build_scheduler(config.optimizer,
+                                                              config.training, optimizer)
 
 
 def _teardown():

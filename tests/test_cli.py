@@ -211,11 +211,11 @@ def test_megatron_lm_compatibility_flags():
     args = parse_args(BASE + ["--use-mcore-models", "--log-throughput", "--use-flash-attn",
                               "--transformer-impl", "local", "--lr-warmup-fraction", "0.5",
                               "--ckpt-format", "torch_dist"], world_size=1)
-    assert args.ulysses_attention_backend == "local"
-    assert args.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
+    assert args.model.ulysses_attention_backend == "local"
+    assert args.optimizer.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
     i = BASE.index("--train-iters")
     argv = BASE[:i] + BASE[i + 2:] + ["--train-samples", "10", "--global-batch-size", "5"]
-    assert parse_args(argv, world_size=1).train_iters == 2
+    assert parse_args(argv, world_size=1).training.train_iters == 2
     with pytest.raises(ConfigError, match="one of --train-iters and --train-samples"):
         parse_args(BASE + ["--train-samples", "10"], world_size=1)
     with pytest.raises(ConfigError, match="--transformer-impl local contradicts"):

@@ -1,8 +1,8 @@
 """Dropout under Ulysses SP: every head group and every sequence shard draws its own masks, while
 every rank still builds the same initial weights (CPU, gloo, fp32; two workers, one spawn).
 
-Everything runs the training loop's own seeding: `loop.initialize_distributed` (without its
-process-group start: the workers already have one) and `loop.build_model`. Layouts of the two
+Everything runs the training loop's own seeding: `loop.initialize_distributed` (it keeps the
+workers' process group) and `model.build_model`. Layouts of the two
 workers: SP 2, TP 2 (with and without --sequence-parallel) and SP 1 x DP 2 as the reference.
 
   * Attention dropout (`UlyssesAttention`, sdpa and local backends, SP 1, SP 2 and TP 2): with
@@ -29,6 +29,7 @@ workers: SP 2, TP 2 (with and without --sequence-parallel) and SP 1 x DP 2 as th
     dropout 0, SP 2's loss equals SP 1's.
 """
 
+import dataclasses
 import os
 import random
 
@@ -45,7 +46,10 @@ from megatron_ulysses import rng
 from megatron_ulysses.attention import UlyssesAttention
 from megatron_ulysses.data.sharding import get_batch_for_sp_rank
 from megatron_ulysses.loss import global_mean, masked_sum
-from megatron_ulysses.training import cpu_compat, loop
+from megatron_ulysses import cpu_compat
+from megatron_ulysses.parallel_state import ParallelDims
+from megatron_ulysses.training import loop
+from megatron_ulysses.training import model as model_builders
 from megatron_ulysses.training.arguments import padded_vocab_size, parse_args
 
 from distributed import spawn
@@ -78,9 +82,9 @@ def _args(tp, sp, sequence_parallel=False, attention_dropout=0.0, hidden_dropout
                     "--ulysses-attention-backend", backend]
     if sequence_parallel:
         argv.append("--sequence-parallel")
-    args = parse_args(argv, world_size=WORLD)
-    args.padded_vocab_size = padded_vocab_size(V, args.make_vocab_size_divisible_by, tp)
-    return args
+    config = parse_args(argv, world_size=WORLD)
+    return config.with_padded_vocab_size(
+        padded_vocab_size(V, config.model.make_vocab_size_divisible_by, tp))
 
 
 def _init(args):
@@ -189,10 +193,11 @@ def _loss(model, batch):
     return global_mean(torch.stack([loss_sum.detach(), count]))
 
 
-def _build(args, cpu_init=True):
-    config = loop.transformer_config(args)
-    config.use_cpu_initialization = cpu_init
-    return loop.build_model(args, config)
+def _build(config, cpu_init=True):
+    mcore_config = model_builders.transformer_config(config.model, config.dims)
+    mcore_config.use_cpu_initialization = cpu_init
+    return model_builders.build_model(config.model, config.optimizer, config.training.seed,
+                                      mcore_config)
 
 
 class _DropoutRecorder:
@@ -247,12 +252,12 @@ def _check_model_dropout(args, tp, sp, sequence_parallel):
     attention = [m for m in recorder.masks if m.shape == attention_shape]
     total = sum(m.numel() for m in hidden)
     fractions = [_dropped_fraction_ok(total - sum(int(m.sum()) for m in hidden), total,
-                                      args.hidden_dropout, f"{label}: hidden")]
+                                      args.model.hidden_dropout, f"{label}: hidden")]
     causal = torch.ones(S, S, dtype=torch.bool).tril().expand(attention_shape)
     total = int(causal.sum()) * len(attention)
     assert not any((m & ~causal).any() for m in attention), label
     fractions.append(_dropped_fraction_ok(total - sum(int(m.sum()) for m in attention), total,
-                                          args.attention_dropout, f"{label}: attention"))
+                                          args.model.attention_dropout, f"{label}: attention"))
     if sp == 1 and tp == 1:
         return fractions  # DP ranks: different samples in training, no constraint
     for index, mask in enumerate(hidden):
@@ -288,10 +293,10 @@ def _check_live_streams(tp, sp):
 def _grads_with_recompute(args, recompute):
     """Loss and main grads of one forward/backward with dropout, from freshly seeded dropout
     streams, with or without full recompute (which must replay the forward's masks)."""
-    args.recompute_granularity = "full" if recompute else None
-    args.recompute_method = "uniform" if recompute else None
-    args.recompute_num_layers = 1 if recompute else None
-    model = _build(args)
+    model = _build(dataclasses.replace(args, model=dataclasses.replace(
+        args.model, recompute_granularity="full" if recompute else None,
+        recompute_method="uniform" if recompute else None,
+        recompute_num_layers=1 if recompute else None)))
     rng.seed_dropout_streams(SEED)
     batch = _shard(_sample())
     per_token = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
@@ -333,9 +338,7 @@ def _check_nested_forks():
 def _check_pipeline_stages():
     """PP 2 (the loop's initialization only: the CLI takes PP > 1 on GPU only): the two stages'
     dropout streams differ, the default generator's and model-parallel-rng's."""
-    args = _args(1, 1)
-    args.pipeline_model_parallel_size = 2
-    _init(args)
+    _init(dataclasses.replace(_args(1, 1), dims=ParallelDims(world_size=WORLD, pp=2)))
     try:
         assert mpu.get_pipeline_model_parallel_rank() == dist.get_rank()
         draw = torch.rand(16)
@@ -360,7 +363,6 @@ def _loss_statistics(args, sample):
 
 def _cases(rank, world_size):
     cpu_compat.install()
-    loop.start_process_group = lambda *args, **kwargs: None  # spawn started it
     report = {}
     sp1_weights = {}
     sample = _sample()

@@ -23,7 +23,7 @@ from megatron_ulysses.memory.activation_offload import (
 )
 from megatron_ulysses.memory.tiled_loss import TiledLossGPTModelMixin, tiled_cross_entropy
 from megatron_ulysses.memory.tiled_mlp import TiledMLP, resolve_mlp_tiles, tiled_mlp_layer_spec
-from megatron_ulysses.training import cpu_compat
+from megatron_ulysses import cpu_compat
 
 from distributed import free_port
 

@@ -34,7 +34,7 @@ from megatron_ulysses.backends import document_spans
 from megatron_ulysses.data.sharding import get_batch_for_sp_rank
 from megatron_ulysses.layer_specs import build_gpt_model
 from megatron_ulysses.loss import global_mean, masked_sum
-from megatron_ulysses.training import cpu_compat
+from megatron_ulysses import cpu_compat
 
 from distributed import spawn
 
@@ -157,7 +157,7 @@ def _init(tp, sp):
 
 def _destroy():
     """`ps.destroy_model_parallel` tears down our groups and megatron-core's state."""
-    ours = [ps.get_ulysses_sp_group(), ps.get_data_parallel_group()]
+    ours = [ps.get_ulysses_sp_group(), ps.get_pure_data_parallel_group()]
     ps.destroy_model_parallel()
     assert not ps.is_initialized() and not mpu.model_parallel_is_initialized()
     assert mpu.get_tensor_model_parallel_group(check_initialized=False) is None
@@ -240,7 +240,7 @@ def _check_model(label, model, dims, samples, batch_kwargs, ref):
     """This rank's shard through the parallel `model` against the TP = SP = 1 reference."""
     tp, sp = dims.tp, dims.sp
     tp_rank, sp_rank = mpu.get_tensor_model_parallel_rank(), ps.get_ulysses_sp_rank()
-    dp_rank = ps.get_data_parallel_rank()
+    dp_rank = ps.get_pure_data_parallel_rank()
     params = dict(model.named_parameters())
     assert params.keys() == ref["weights"].keys(), label
     for name, param in params.items():  # the TP layout of the master weights

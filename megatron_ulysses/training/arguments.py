@@ -1,6 +1,7 @@
 """Command-line arguments of `pretrain_gpt.py`: Megatron-LM's flag names and meanings, plus ours
-(`--ulysses-*`, the ALST memory flags). `validate_args` checks every configuration before the
-first collective and raises one `ConfigError` naming the flag to change.
+(`--ulysses-*`, the ALST memory flags). `validate_args` is the one place every rule lives: it checks
+the whole configuration before the first collective, raises one `ConfigError` naming the flag to
+change, fills in Megatron-LM's derived defaults and returns the frozen `RunConfig`.
 """
 
 import argparse
@@ -10,10 +11,11 @@ import tempfile
 
 import torch
 
-from ..backends import BACKENDS, resolve_backend
+from ..backends import BACKENDS, resolve_backend, te_available
 from ..data.datasets import parse_data_path, parse_split
 from ..data.tokenizers import TOKENIZER_TYPES
 from ..parallel_state import ParallelDims
+from .config import RunConfig, from_namespace
 
 
 class ConfigError(ValueError):
@@ -46,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Ulysses SP size P: one sequence is split over P ranks (taken out of "
                    "data parallelism); attention heads must divide by TP x P.")
     g.add_argument("--ulysses-attention-backend", choices=("auto",) + BACKENDS, default="auto",
-                   help="Local attention inside the all-to-alls: te (Transformer Engine), sdpa "
+                   help="The attention between the all-to-alls: te (Transformer Engine), sdpa "
                    "(torch), local (megatron-core); auto = te if installed, else sdpa.")
 
     g = parser.add_argument_group("ALST memory features (off by default, exact)")
@@ -83,6 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+    g = parser.add_argument_group(
+        "fusions (GPU; on by default as in Megatron-LM, off on CPU)")
+    g.add_argument("--no-rope-fusion", action="store_true",
+                   help="unfused RoPE (default: TE's fused RoPE when TE is installed)")
+    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
+                   help="unfused weight-gradient accumulation (default: fused into main_grad "
+                   "by TE's linear layers, with --ulysses-attention-backend te)")
+    g.add_argument("--no-bias-swiglu-fusion", action="store_true",
+                   help="unfused (bias +) SwiGLU")
+    g.add_argument("--no-bias-gelu-fusion", action="store_true",
+                   help="unfused bias + GeLU (fused only with biases)")
+    g.add_argument("--no-bias-dropout-fusion", action="store_true",
+                   help="unfused bias + dropout + add")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fused vocab-parallel cross entropy (off by default, as in Megatron-LM)")
+    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native",
+                   help="with --cross-entropy-loss-fusion: megatron-core's or TE's kernel")
 
     g = parser.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -177,11 +197,6 @@ def build_parser() -> argparse.ArgumentParser:
         ("--use-flash-attn", "fused attention comes from --ulysses-attention-backend"),
         ("--attention-softmax-in-fp32", "the attention backends keep softmax in fp32"),
         ("--no-masked-softmax-fusion", "no masked-softmax fusion is used"),
-        ("--no-bias-gelu-fusion", "unfused bias + GeLU (fused only on GPU with biases)"),
-        ("--no-bias-swiglu-fusion", "unfused bias + SwiGLU (fused only on GPU with biases)"),
-        ("--no-bias-dropout-fusion", "unfused bias + dropout + add (fused only on GPU)"),
-        ("--no-gradient-accumulation-fusion", "gradient-accumulation fusion is off"),
-        ("--no-rope-fusion", "RoPE fusion is off (global positions need our rotary)"),
         ("--log-validation-ppl-to-tensorboard", "validation loss goes to TensorBoard"),
     ):
         g.add_argument(flag, action="store_true", help=why)
@@ -289,7 +304,7 @@ def _check_ranges(args) -> None:
     _check_range(args, "lr_warmup_fraction", low=0, high=1, high_open=True, optional=True)
 
 
-def _check_data_source(args) -> None:
+def _check_data_source(args, warnings: list) -> None:
     """--mock-data or --data-path (whose .bin/.idx files must exist), --split, the tokenizer."""
     try:
         split = parse_split(args.split)
@@ -310,7 +325,7 @@ def _check_data_source(args) -> None:
         _require(split[0] > 0, f"--split {args.split} gives the train split weight 0, so there "
                  "is nothing to train on; give it a positive first weight, e.g. --split 969,30,1")
         if split[1] == 0 and args.eval_iters > 0:
-            args.warnings.append(
+            warnings.append(
                 f"--split {args.split} gives the valid split weight 0: no evaluation runs "
                 f"(--eval-iters {args.eval_iters} is ignored); give it a weight to evaluate")
     if args.tokenizer_type == "NullTokenizer":
@@ -322,16 +337,15 @@ def _check_data_source(args) -> None:
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
 
 
-def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argparse.Namespace:
-    """Check the whole configuration for `world_size` processes and fill in derived values
-    (`dims`, `data_parallel_size`, `num_microbatches`, `padded_vocab_size` is set later).
-    Raises `ConfigError` before anything touches a process group."""
+def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunConfig:
+    """Check the whole configuration for `world_size` processes, fill in the derived values
+    (`num_microbatches`, defaults that depend on other flags) and freeze it. Raises
+    `ConfigError` before anything touches a process group."""
     try:
-        args.dims = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
-                                 pp=args.pipeline_model_parallel_size, sp=args.ulysses_sp_size)
+        dims = ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
+                            pp=args.pipeline_model_parallel_size, sp=args.ulysses_sp_size)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    dims = args.dims
     if args.initial_loss_scale is None and args.seq_length > 0 and args.micro_batch_size > 0:
         tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
         args.initial_loss_scale = max(1.0, 2.0**20 / 2 ** math.ceil(math.log2(tokens)))
@@ -344,8 +358,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  f"{flag_name(flag)} must be positive, got {getattr(args, flag)}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
     _check_ranges(args)
-    args.warnings = []  # printed once, by rank 0, by pretrain_gpt.py
-    _check_data_source(args)  # missing files first: they are what a user fixes first
+    warnings = []  # said once, by rank 0, by pretrain_gpt.py
+    _check_data_source(args, warnings)  # missing files first: they are what a user fixes first
 
     if args.num_query_groups is not None and not args.group_query_attention:
         raise ConfigError("--num-query-groups needs --group-query-attention")
@@ -381,7 +395,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                             args.seq_length if args.sequence_parallel else None)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    args.data_parallel_size = dims.dp
     per_step = args.micro_batch_size * dims.dp
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -412,7 +425,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  f"--ulysses-attention-backend {args.ulysses_attention_backend}")
         args.ulysses_attention_backend = backend
     try:  # te without Transformer Engine fails here, not when the model is built
-        resolve_backend(args.ulysses_attention_backend)
+        args.ulysses_attention_backend = resolve_backend(args.ulysses_attention_backend)
     except ValueError as error:
         via = (" (--transformer-impl transformer_engine)"
                if args.transformer_impl == "transformer_engine" else "")
@@ -463,6 +476,14 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         _require(args.recompute_granularity == "full",
                  "--offload-activations needs --recompute-granularity full (it offloads the "
                  "recompute checkpoints)")
+    if args.cross_entropy_loss_fusion:
+        _require(args.tiled_loss_shards is None,
+                 "--tiled-loss-shards computes its own (unfused) cross entropy per tile: drop "
+                 "--cross-entropy-loss-fusion or --tiled-loss-shards")
+        if args.cross_entropy_fusion_impl == "te":
+            _require(cuda and te_available(),
+                     "--cross-entropy-fusion-impl te needs CUDA and Transformer Engine; use "
+                     "native")
     if args.sequence_parallel:
         _require(args.tiled_mlp_shards is None and args.tiled_loss_shards is None,
                  "--tiled-mlp-shards/--tiled-loss-shards do not support --sequence-parallel "
@@ -476,7 +497,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
                  f"{args.rotary_percent} -> {rotary_dim} dimensions per head, which must be even "
                  "and >= 2; change --rotary-percent (or --kv-channels)")
         if args.reset_position_ids and not args.reset_attention_mask:
-            args.warnings.append(
+            warnings.append(
                 "--reset-position-ids changes nothing with --position-embedding-type rope: RoPE "
                 "takes positions from each document only with --reset-attention-mask, which "
                 "also keeps documents from attending to each other; add --reset-attention-mask "
@@ -496,7 +517,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> argp
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(not (args.distributed_backend == "nccl" and not cuda),
              "--distributed-backend nccl needs CUDA; use gloo")
-    return args
+    return from_namespace(args, dims, warnings)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
@@ -505,8 +526,8 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
-def parse_args(argv=None, world_size: int = None) -> argparse.Namespace:
-    """Parse and validate; argparse errors exit 2, `ConfigError` is raised."""
+def parse_args(argv=None, world_size: int = None) -> RunConfig:
+    """Parse, validate and freeze; argparse errors exit 2, `ConfigError` is raised."""
     args = build_parser().parse_args(argv)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))

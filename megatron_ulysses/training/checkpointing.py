@@ -37,6 +37,8 @@ Model tensors are stored unsharded-by-layout, so a run can resume with another
 """
 
 import collections
+import contextlib
+import dataclasses
 import errno
 import io
 import json
@@ -45,6 +47,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 import zipfile
 
 import numpy as np
@@ -404,7 +407,7 @@ def _plain(value, what: str):
     return value
 
 
-def _sharded_state_dict(model, optimizer, scheduler, args, is_loading, with_optimizer=True,
+def _sharded_state_dict(model, optimizer, scheduler, is_loading, with_optimizer=True,
                         rng_states=None, common=None):
     model_sd = model.module.sharded_state_dict()
     state = {"model": model_sd, **(common or {})}
@@ -439,9 +442,27 @@ def _commit(root: str, iteration: int, staging: str) -> None:
     shutil.rmtree(old, ignore_errors=True)  # 3. only now the old one goes
 
 
-def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args,
+@contextlib.contextmanager
+def _quiet_torch_checkpoint():
+    """torch's checkpoint internals warn about the APIs megatron-core's dist_checkpointing uses."""
+    with warnings.catch_warnings():
+        for message in ("Please use DTensor instead", "`load_state_dict` is deprecated"):
+            warnings.filterwarnings("ignore", message=message)
+        yield
+
+
+def _saved_args(config) -> dict:
+    """The `_SAVED_ARGS` values of a `RunConfig`, by Megatron-LM argument name."""
+    values = {**dataclasses.asdict(config.model), "tensor_model_parallel_size": config.dims.tp,
+              "pipeline_model_parallel_size": config.dims.pp,
+              "use_distributed_optimizer": config.optimizer.use_distributed_optimizer}
+    return {key: values[key] for key in _SAVED_ARGS}
+
+
+def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
                     consumed_samples: int) -> None:
-    """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it."""
+    """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it.
+    `config`: the `RunConfig` (the shape and optimizer values a load checks)."""
     staging = checkpoint_dir(root, iteration) + ".tmp"
     rank = dist.get_rank()
     if rank == 0:
@@ -453,12 +474,13 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, args
     common = _plain({
         "format_version": FORMAT_VERSION, "iteration": iteration,
         "consumed_samples": consumed_samples,
-        "args": {key: getattr(args, key) for key in _SAVED_ARGS},
+        "args": _saved_args(config),
         "rng_layout": _rng_layout(rng_states),
     }, "common state")
-    state = _sharded_state_dict(model, optimizer, scheduler, args, is_loading=False,
+    state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 rng_states=rng_states, common=common)
-    dist_checkpointing.save(state, staging)
+    with _quiet_torch_checkpoint():
+        dist_checkpointing.save(state, staging)
     dist.barrier()
     _fsync_tree(staging, rank)
     dist.barrier()
@@ -478,30 +500,30 @@ def _flag(key: str) -> str:
     return flag_name(key)
 
 
-def _check_args(path: str, saved: dict, args) -> None:
+def _check_args(path: str, saved: dict, run: dict) -> None:
+    """The checkpoint's model and TP/PP values (`saved`) against this run's (`run`)."""
     keys = list(_MODEL_ARGS)
-    if args.position_embedding_type == "learned_absolute":
+    if run["position_embedding_type"] == "learned_absolute":
         keys.append("max_position_embeddings")
     missing = object()
-    mismatched = [(key, saved.get(key, missing), getattr(args, key)) for key in keys
-                  if saved.get(key, missing) != getattr(args, key)]
+    mismatched = [(key, saved.get(key, missing), run[key]) for key in keys
+                  if saved.get(key, missing) != run[key]]
     if mismatched:
         details = "; ".join(
             f"{_flag(key)}: checkpoint {'(not saved)' if a is missing else repr(a)}, "
             f"this run {b!r}" for key, a, b in mismatched)
         raise ConfigError(f"--load {path} was saved with another model or TP/PP layout: "
                           f"{details}. Run with the checkpoint's values")
-    if args.position_embedding_type == "rope" and saved.get("rotary_base") not in \
-            (None, args.rotary_base):
-        print_rank_0(f" WARNING: --rotary-base {args.rotary_base} differs from the checkpoint's "
+    if run["position_embedding_type"] == "rope" and saved.get("rotary_base") not in \
+            (None, run["rotary_base"]):
+        print_rank_0(f" WARNING: --rotary-base {run['rotary_base']} differs from the checkpoint's "
                      f"{saved['rotary_base']} (--load {path})")
 
 
-def _check_optimizer_args(path: str, saved: dict, args) -> None:
-    different = [key for key in _OPTIMIZER_ARGS
-                 if key in saved and saved[key] != getattr(args, key)]
+def _check_optimizer_args(path: str, saved: dict, run: dict) -> None:
+    different = [key for key in _OPTIMIZER_ARGS if key in saved and saved[key] != run[key]]
     if different:
-        details = ", ".join(f"{_flag(k)}: checkpoint {saved[k]}, this run {getattr(args, k)}"
+        details = ", ".join(f"{_flag(k)}: checkpoint {saved[k]}, this run {run[k]}"
                             for k in different)
         raise ConfigError(f"--load {path}: its optimizer state was saved with another optimizer "
                           f"({details}); run with the checkpoint's flags, or pass --no-load-optim "
@@ -519,10 +541,11 @@ def _checkpoint_path(root: str, iteration: int) -> str:
                       "not exist; fix the tracker or --load another directory")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, args):
+def load_checkpoint(root: str, model, optimizer, scheduler, config):
     """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
     when there is none. `--finetune` loads the model only and restarts at 0. Every problem
-    with the checkpoint is one `ConfigError` naming --load."""
+    with the checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
+    flags, run = config.checkpoint, _saved_args(config)
     iteration = read_tracker(root)
     if iteration is None:
         print_rank_0(f" WARNING: no checkpoint at --load {root} ({TRACKER} missing); "
@@ -536,21 +559,22 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
         raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
                           f"megatron_ulysses reads format {FORMAT_VERSION}")
     saved_args = common.get("args")
-    _check_args(path, saved_args if isinstance(saved_args, dict) else {}, args)
+    _check_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
     saved_iteration = common.get("iteration")
     if saved_iteration != iteration:
         raise ConfigError(f"--load {path} holds iteration {saved_iteration}, but {TRACKER} "
                           f"names {iteration}")
-    if not args.finetune and iteration > args.train_iters:
-        raise ConfigError(f"--train-iters ({args.train_iters}) is smaller than the iteration "
+    train_iters = config.training.train_iters
+    if not flags.finetune and iteration > train_iters:
+        raise ConfigError(f"--train-iters ({train_iters}) is smaller than the iteration "
                           f"of the checkpoint at --load {path} ({iteration}); give "
                           f"--train-iters {iteration} or more (or --finetune)")
 
-    with_optimizer = not (args.finetune or args.no_load_optim)
+    with_optimizer = not (flags.finetune or flags.no_load_optim)
     if with_optimizer:
-        _check_optimizer_args(path, saved_args if isinstance(saved_args, dict) else {}, args)
+        _check_optimizer_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
     rng_states = None
-    if not (args.finetune or args.no_load_rng):
+    if not (flags.finetune or flags.no_load_rng):
         rng_states = _rng_tensors()  # this run's names and shapes, overwritten by the load
         saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
         if saved_layout != layout:
@@ -565,11 +589,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
                     why = "it holds no usable RNG layout"
             print_rank_0(f" WARNING: --load {path}: {why}, this run is {_describe(layout)}: "
                          "RNG states are per rank and are not restored; this run keeps the "
-                         f"RNG states seeded from --seed {args.seed}")
+                         f"RNG states seeded from --seed {config.training.seed}")
             rng_states = None
-    state = _sharded_state_dict(model, optimizer, scheduler, args, is_loading=True,
+    state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
-    loaded = dist_checkpointing.load(state, path)
+    with _quiet_torch_checkpoint():
+        loaded = dist_checkpointing.load(state, path)
     _check_extra_states(path, loaded["model"])
     model.module.load_state_dict(loaded["model"])
     if with_optimizer:
@@ -584,6 +609,6 @@ def load_checkpoint(root: str, model, optimizer, scheduler, args):
     if rng_states is not None:
         _set_rng_tensors({name: tensor[0] for name, tensor in loaded["rng_state"].items()})
     print_rank_0(f" loaded checkpoint from {path} at iteration {iteration}")
-    if args.finetune:
+    if flags.finetune:
         return 0, 0
     return iteration, loaded["consumed_samples"]

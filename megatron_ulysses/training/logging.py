@@ -22,23 +22,23 @@ def print_rank_0(message: str) -> None:
         print(message, flush=True)
 
 
-def matmul_params(args) -> int:
+def matmul_params(model) -> int:
     """Weights every token multiplies through: the layers' linear layers and the output layer
     (tied or not); no input embedding, norms or biases."""
-    h, d = args.hidden_size, args.kv_channels
-    attention = h * (args.num_attention_heads + 2 * args.num_query_groups) * d \
-        + args.num_attention_heads * d * h
-    mlp = h * args.ffn_hidden_size * (3 if args.swiglu else 2)
-    return args.num_layers * (attention + mlp) + args.padded_vocab_size * h
+    h, d = model.hidden_size, model.kv_channels
+    attention = h * (model.num_attention_heads + 2 * model.num_query_groups) * d \
+        + model.num_attention_heads * d * h
+    mlp = h * model.ffn_hidden_size * (3 if model.swiglu else 2)
+    return model.num_layers * (attention + mlp) + model.padded_vocab_size * h
 
 
-def model_flops_per_sample(args) -> float:
+def model_flops_per_sample(model) -> float:
     """fwd+bwd FLOPs of one `--seq-length` sample: 6 x matmul params x s plus
     6 x layers x s^2 x (heads x kv channels) for causal attention over the whole sequence
-    (QK^T and AV, half of the square, three passes)."""
-    s = args.seq_length
-    attention = 6 * args.num_layers * s * s * args.num_attention_heads * args.kv_channels
-    return 6 * matmul_params(args) * s + attention
+    (QK^T and AV, half of the square, three passes). `model`: a `ModelConfig`."""
+    s = model.seq_length
+    attention = 6 * model.num_layers * s * s * model.num_attention_heads * model.kv_channels
+    return 6 * matmul_params(model) * s + attention
 
 
 def peak_memory_gib() -> float:
@@ -61,15 +61,19 @@ def _as_float(value):
 class TrainingLogger:
     """Accumulates per-iteration figures between log lines; rank 0 prints and writes TB."""
 
-    def __init__(self, args, flops_per_sample: float, world_size: int):
-        self.args = args
-        self.flops_per_sample = flops_per_sample
+    def __init__(self, config, world_size: int):
+        """`config`: the `RunConfig` (its logging, training and model sections)."""
+        self.log_interval = config.logging.log_interval
+        self.train_iters = config.training.train_iters
+        self.global_batch_size = config.training.global_batch_size
+        self.seq_length = config.model.seq_length
+        self.flops_per_sample = model_flops_per_sample(config.model)
         self.world_size = world_size
         self.writer = None
-        if args.tensorboard_dir and is_rank_0():
+        if config.logging.tensorboard_dir and is_rank_0():
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=10)
+            self.writer = SummaryWriter(log_dir=config.logging.tensorboard_dir, max_queue=10)
         self.start = time.time()
         self.window_start = time.time()
         self.window_iters = 0
@@ -98,18 +102,18 @@ class TrainingLogger:
         self.window_iters += 1
         self.skipped += int(skipped)
         self.nan += int(loss != loss)
-        if iteration % self.args.log_interval != 0:
+        if iteration % self.log_interval != 0:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         elapsed = time.time() - self.window_start
         per_iter = elapsed / self.window_iters
-        samples_per_s = self.args.global_batch_size / per_iter
-        tokens_per_s = samples_per_s * self.args.seq_length
+        samples_per_s = self.global_batch_size / per_iter
+        tokens_per_s = samples_per_s * self.seq_length
         tflops = self.flops_per_sample * samples_per_s / self.world_size / 1e12
         memory = peak_memory_gib()
         done = iteration - self.first_iteration
-        eta = (time.time() - self.start) / max(done, 1) * (self.args.train_iters - iteration)
+        eta = (time.time() - self.start) / max(done, 1) * (self.train_iters - iteration)
         if self.writer is not None:
             for tag, value in (("lm loss", loss), ("learning-rate", lr),
                                ("throughput/tokens-per-sec", tokens_per_s),
@@ -121,13 +125,13 @@ class TrainingLogger:
             self.writer.flush()
         grad = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         fields = [
-            f"iteration {iteration:8d}/{self.args.train_iters:8d}",
+            f"iteration {iteration:8d}/{self.train_iters:8d}",
             f"consumed samples: {consumed_samples:12d}",
             f"elapsed time per iteration (ms): {per_iter * 1000:.1f}",
             f"throughput (tokens/s): {tokens_per_s:.1f}",
             f"TFLOP/s per GPU: {tflops:.3f}",
             f"learning rate: {lr:.6E}",
-            f"global batch size: {self.args.global_batch_size:5d}",
+            f"global batch size: {self.global_batch_size:5d}",
             f"lm loss: {loss:.6E}",
             f"loss scale: {loss_scale:.1f}",
             f"grad norm: {grad}",

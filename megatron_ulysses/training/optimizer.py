@@ -32,12 +32,13 @@ def _param_groups(model):
 class CpuAdamW:
     """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
 
-    def __init__(self, model, args):
+    def __init__(self, model, config):
+        """`config`: an `OptimizerConfig`."""
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model), lr=args.lr, weight_decay=args.weight_decay,
-            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_eps,
+            _param_groups(model), lr=config.lr, weight_decay=config.weight_decay,
+            betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
-        self.clip_grad = args.clip_grad
+        self.clip_grad = config.clip_grad
 
     @property
     def param_groups(self):
@@ -105,19 +106,21 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(args, model):
-    """megatron-core's optimizer on GPU, `CpuAdamW` on CPU."""
+def build_optimizer(config, model_config, model):
+    """megatron-core's optimizer on GPU, `CpuAdamW` on CPU. `config`: an `OptimizerConfig`;
+    `model_config`: the `ModelConfig` (its precision)."""
     if not torch.cuda.is_available():
-        return CpuAdamW(model, args)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        return CpuAdamW(model, config)
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
 
-    config = OptimizerConfig(
-        optimizer="adam", lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32,
-        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale, loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis, use_distributed_optimizer=args.use_distributed_optimizer,
+    mcore_config = McoreOptimizerConfig(
+        optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr,
+        weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
+        bf16=model_config.bf16, fp16=model_config.fp16, params_dtype=model_config.params_dtype,
+        loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
+        min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
+        hysteresis=config.hysteresis, use_distributed_optimizer=config.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(config, [model])
+    return get_megatron_optimizer(mcore_config, [model])

@@ -29,7 +29,7 @@ from megatron_ulysses.attention import UlyssesAttention
 from megatron_ulysses.data.sharding import get_batch_for_sp_rank
 from megatron_ulysses.layer_specs import build_gpt_model
 from megatron_ulysses.loss import global_mean, masked_sum
-from megatron_ulysses.training import cpu_compat
+from megatron_ulysses import cpu_compat
 
 pytest.importorskip("transformer_engine")
 
@@ -199,7 +199,7 @@ def _model_case(dtype, packed, tiled):
             model = _build(dtype, tiled)
             for name, param in model.named_parameters():
                 assert torch.equal(param.detach(), weights[name]), (label, name)
-            dp_rank = ps.get_data_parallel_rank()
+            dp_rank = ps.get_pure_data_parallel_rank()
             loss_sum, count = _run(model, samples[dp_rank], ps.get_ulysses_sp_rank(), sp, packed)
             total = sum(sums[:dims.dp])
             ref_loss = (total[0] / total[1]).item()

@@ -10,6 +10,8 @@ from the first; each test then checks one property of their logs and checkpoints
 - The te, sdpa and local backends train the same model to the same losses (bf16 tolerance),
   also on packed documents (`--reset-attention-mask`: TE's THD path, SDPA per document).
 - Full and selective recompute, TiledMLP + tiled loss + offload: same losses as plain training.
+- Megatron-LM's default fusions (on in every te run) against none, and the cross-entropy fusion
+  (native and TE): same losses.
 - fp16 with the dynamic loss scale skips at most a few steps and the loss falls.
 - Resuming a distributed-optimizer checkpoint without it is one clear error (its state keys
   differ), not a KeyError from megatron-core.
@@ -141,6 +143,16 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
                              "--save", str(work / "ckpt_dropout"), "--exit-interval", "4"], work),
         Run("dropout_full_recompute", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT,
                                        *recompute], work),
+        Run("unfused", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, "--ulysses-attention-backend", "te",
+                        "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+                        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion"], work),
+        Run("cross_entropy_fusion_te", [*MODEL, *RUN, *MOCK, *DETERMINISTIC,
+                                        "--ulysses-attention-backend", "te",
+                                        "--cross-entropy-loss-fusion",
+                                        "--cross-entropy-fusion-impl", "te"], work),
+        Run("cross_entropy_fusion_native", [*MODEL, *RUN, *MOCK, *DETERMINISTIC,
+                                            "--ulysses-attention-backend", "te",
+                                            "--cross-entropy-loss-fusion"], work),
         Run("fp16_plain_optimizer", [*MODEL, *[f for f in RUN if f != "--bf16"], "--fp16",
                                      *MOCK, "--ulysses-attention-backend", "te"], work),
         Run("fp16", [*MODEL, *[f for f in RUN if f != "--bf16"], "--fp16", *MOCK,
@@ -240,6 +252,14 @@ def test_packed_documents_te_thd_and_sdpa_agree(runs):
     assert "attention backend te" in te.output
     assert te.losses[8] < te.losses[1]
     _close(sdpa.losses, te.losses, "packed sdpa vs te (THD)")
+
+
+@pytest.mark.parametrize("name", ["unfused", "cross_entropy_fusion_te",
+                                  "cross_entropy_fusion_native"])
+def test_fusions_keep_the_losses(runs, name):
+    """te runs with Megatron-LM's default fusions (RoPE, gradient accumulation, SwiGLU, bias +
+    dropout); these turn them off, or add the cross-entropy fusion."""
+    _close(runs[name].check().losses, runs["te"].check().losses, f"{name} vs te")
 
 
 @pytest.mark.parametrize("name", ["full_recompute", "selective_recompute", "memory_features"])

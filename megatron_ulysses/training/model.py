@@ -1,0 +1,122 @@
+"""The model side of a run, one builder per thing: megatron-core's `TransformerConfig` from our
+`ModelConfig`, the Ulysses GPTModel in megatron-core DDP (which reduces over DP x SP), and the
+`OptimizerParamScheduler`. The benchmarks build through these too.
+"""
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
+
+from .. import rng
+from ..backends import te_available
+from ..layer_specs import build_gpt_model
+from ..memory.activation_offload import enable_activation_offload
+from ..parallel_state import ParallelDims
+from .config import ModelConfig, OptimizerConfig, TrainingConfig
+
+
+def transformer_config(model: ModelConfig, dims: ParallelDims) -> TransformerConfig:
+    """megatron-core's config of the model (per-token loss; CPU initialization without CUDA)."""
+    cuda = torch.cuda.is_available()
+    with warnings.catch_warnings():  # 0.16 warns about its own default cuda_graph_scope
+        warnings.filterwarnings("ignore", message="full scope is deprecated")
+        return _transformer_config(model, dims, cuda)
+
+
+def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        normalization=model.normalization,
+        layernorm_epsilon=model.norm_epsilon,
+        qk_layernorm=model.qk_layernorm,
+        gated_linear_unit=model.swiglu,
+        activation_func=F.silu if model.swiglu else F.gelu,
+        add_bias_linear=not model.disable_bias_linear,
+        attention_dropout=model.attention_dropout,
+        hidden_dropout=model.hidden_dropout,
+        init_method_std=model.init_method_std,
+        tensor_model_parallel_size=dims.tp,
+        pipeline_model_parallel_size=dims.pp,
+        sequence_parallel=model.sequence_parallel,
+        params_dtype=model.params_dtype,
+        pipeline_dtype=model.params_dtype,
+        bf16=model.bf16,
+        fp16=model.fp16,
+        use_cpu_initialization=not cuda,
+        calculate_per_token_loss=True,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
+        # Megatron-LM's default fusions, on GPU: SwiGLU with or without bias, GeLU with bias.
+        bias_activation_fusion=cuda and (not model.no_bias_swiglu_fusion if model.swiglu else
+                                         not model.no_bias_gelu_fusion
+                                         and not model.disable_bias_linear),
+        masked_softmax_fusion=False,  # only megatron-core's local attention has one
+        bias_dropout_fusion=cuda and not model.no_bias_dropout_fusion,
+        # TE's fused RoPE takes the frequencies `ShardedRotaryEmbedding` computes for the
+        # global positions, as the unfused one does.
+        apply_rope_fusion=cuda and not model.no_rope_fusion
+        and model.position_embedding_type == "rope" and te_available(),
+        # Fused into main_grad by TE's linear layers: the TE spec (megatron-core's local spec
+        # would need apex's fused_weight_gradient_mlp_cuda).
+        gradient_accumulation_fusion=cuda and not model.no_gradient_accumulation_fusion
+        and model.ulysses_attention_backend == "te",
+        cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
+        cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
+        deterministic_mode=model.deterministic_mode,
+    )
+
+
+def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
+                config: TransformerConfig) -> DistributedDataParallel:
+    """The Ulysses GPTModel (in `Float16Module` for bf16/fp16) in megatron-core DDP; the
+    weights are drawn from `seed` alone, the same on every DP x SP rank."""
+    with rng.weight_init_streams(seed):
+        gpt = build_gpt_model(
+            config, model.padded_vocab_size, model.max_position_embeddings,
+            backend=model.ulysses_attention_backend,
+            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
+            tiled_mlp_shards=model.tiled_mlp_shards, tiled_loss_shards=model.tiled_loss_shards,
+            parallel_output=True,
+            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+            position_embedding_type=model.position_embedding_type,
+            rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+        )
+    if torch.cuda.is_available():
+        gpt.cuda(torch.cuda.current_device())
+    if model.offload_activations:
+        enable_activation_offload(gpt.decoder)
+    if model.bf16 or model.fp16:  # half-precision weights, fp32 logits out (as Megatron-LM)
+        gpt = Float16Module(config, gpt)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=optimizer.overlap_grad_reduce,
+        use_distributed_optimizer=optimizer.use_distributed_optimizer,
+    )
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+
+
+def build_scheduler(config: OptimizerConfig, training: TrainingConfig,
+                    optimizer) -> OptimizerParamScheduler:
+    """LR and weight-decay schedule in samples, as Megatron-LM counts them."""
+    gbs = training.global_batch_size
+    return OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_iters * gbs, lr_decay_steps=config.lr_decay_iters * gbs,
+        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
+        end_wd=config.weight_decay, wd_incr_steps=training.train_iters * gbs,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=config.override_opt_param_scheduler,
+    )

@@ -1,0 +1,93 @@
+"""One optimizer step: forward and backward over the micro batches, gradient sync, the update.
+
+On GPU megatron-core's schedule (`get_forward_backward_func`: no pipelining, or 1F1B with PP > 1)
+runs the micro batches with our per-token loss function: each micro batch backpropagates
+Σ loss·mask, and `finalize_model_grads` (the config's `finalize_model_grads_func`) divides the
+gradients reduced over DP x SP by the step's Σ mask. On CPU `_cpu_forward_backward` does the same
+steps, because megatron-core's schedules allocate their token count on "cuda".
+"""
+
+import contextlib
+import functools
+
+import torch
+from megatron.core.distributed import finalize_model_grads
+
+from .. import cpu_compat
+from ..loss import global_mean, loss_func, masked_sum
+from .config import TrainingConfig
+
+
+def _per_token_loss(model, batch):
+    """The model on one sequence-sharded micro batch: per-token loss `[b, s/P]`."""
+    return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
+                 packed_seq_params=batch["packed_seq_params"])
+
+
+def forward_step(data_iterator, model):
+    """megatron-core's forward_step_func: per-token loss `[b, s/P]` and its loss function."""
+    batch = next(data_iterator)
+    return _per_token_loss(model, batch), functools.partial(loss_func, batch["loss_mask"])
+
+
+def _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only):
+    """megatron-core's `forward_backward_no_pipelining` on CPU (fp32, PP = 1): backward of each
+    micro batch's Σ loss·mask, gradient sync on the last one; returns [Σ loss·mask, Σ mask]."""
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
+    for index in range(num_microbatches):
+        last = index == num_microbatches - 1
+        sync = contextlib.nullcontext() if forward_only or last else model.no_sync()
+        with sync, torch.set_grad_enabled(not forward_only):
+            batch = next(data_iterator)
+            loss_sum, count = masked_sum(_per_token_loss(model, batch), batch["loss_mask"])
+            if not forward_only:
+                loss_sum.backward()
+        totals += torch.stack([loss_sum.detach(), count]).double()
+    if not forward_only:
+        finalize_model_grads([model], num_tokens=totals[1].round().to(torch.int64))
+    return totals
+
+
+def forward_backward(data_iterator, model, training: TrainingConfig, local_seq_length: int,
+                     forward_only=False):
+    """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64),
+    summed over micro batches (zeros off the last pipeline stage). `local_seq_length`: s/P
+    after padding, the sequence length of one rank's activations."""
+    if not torch.cuda.is_available():
+        return _cpu_forward_backward(data_iterator, model, training.num_microbatches,
+                                     forward_only)
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+        num_microbatches=training.num_microbatches, seq_length=local_seq_length,
+        micro_batch_size=training.micro_batch_size, forward_only=forward_only,
+    )
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
+    for report in reports:
+        totals += report["lm loss"].double()
+    return totals
+
+
+def train_step(data_iterator, model, optimizer, scheduler, training: TrainingConfig,
+               local_seq_length: int):
+    """One optimizer step over the global batch; returns (loss, grad norm, update ok)."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    totals = forward_backward(data_iterator, model, training, local_seq_length)
+    ok, grad_norm, _ = optimizer.step()
+    if ok:
+        scheduler.step(increment=training.global_batch_size)
+    return global_mean(totals), grad_norm, ok
+
+
+def evaluate(data_iterator, model, training: TrainingConfig, local_seq_length: int) -> float:
+    """Mean per-token loss over `--eval-iters` global batches."""
+    model.eval()
+    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
+    with torch.no_grad():
+        for _ in range(training.eval_iters):
+            totals += forward_backward(data_iterator, model, training, local_seq_length,
+                                       forward_only=True)
+    model.train()
+    return global_mean(totals)
