@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="unfused RoPE (default: TE's fused RoPE when TE is installed)")
     g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
                    help="unfused weight-gradient accumulation (default: fused into main_grad "
-                   "by TE's linear layers, with --ulysses-attention-backend te)")
+                   "when apex's fused_weight_gradient_mlp_cuda is installed)")
     g.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="unfused (bias +) SwiGLU")
     g.add_argument("--no-bias-gelu-fusion", action="store_true",

@@ -3,6 +3,7 @@
 `OptimizerParamScheduler`. The benchmarks build through these too.
 """
 
+import importlib.util
 import warnings
 
 import torch
@@ -68,10 +69,11 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         # global positions, as the unfused one does.
         apply_rope_fusion=cuda and not model.no_rope_fusion
         and model.position_embedding_type == "rope" and te_available(),
-        # Fused into main_grad by TE's linear layers: the TE spec (megatron-core's local spec
-        # would need apex's fused_weight_gradient_mlp_cuda).
+        # Fused into main_grad: TE's linear layers do it themselves, megatron-core's (the output
+        # layer; every layer of the local spec) need apex's kernel; without it off, as
+        # Megatron-LM turns it off.
         gradient_accumulation_fusion=cuda and not model.no_gradient_accumulation_fusion
-        and model.ulysses_attention_backend == "te",
+        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
         deterministic_mode=model.deterministic_mode,
