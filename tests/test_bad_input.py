@@ -164,24 +164,28 @@ def test_warnings_name_both_flags_and_a_valid_split_of_weight_0_is_fine(files):
     assert args.warnings == ("--split 99,0,1 gives the valid split weight 0: no evaluation runs "
                              "(--eval-iters 100 is ignored); give it a weight to evaluate",)
     assert parse_args(data + ["--split", "99,0,1"], world_size=1).warnings == ()  # eval-iters 0
-    for split in ("100", "98,2", "969/30/1", " 90, 10, 0", "0.9,.1,0"):
-        assert parse_args(data + ["--split", split], world_size=1).data.split == split
 
 
-def test_split_document_counts_match_megatron_core(tmp_path):
+@pytest.mark.parametrize("split", ["100", "98,2", "969/30/1", " 90, 10, 0", "0.9,.1,0"])
+def test_megatron_lm_split_spellings_are_accepted(files, split):
+    data = [arg.format(**files) for arg in DATA]
+    assert parse_args(data + ["--split", split], world_size=1).data.split == split
+
+
+@pytest.mark.parametrize("documents", [1, 7, 100, 499, 854, 10**6 + 3])
+@pytest.mark.parametrize("split", ["969,30,1", "98,2,0", "1,1,1", "90,5,5", "100"])
+def test_split_document_counts_match_megatron_core(split, documents):
     """The documents per split that the check computes are the ones megatron-core builds."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
         convert_split_vector_to_split_matrix,
         parse_and_normalize_split,
     )
 
-    for split in ("969,30,1", "98,2,0", "1,1,1", "90,5,5", "100"):
-        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-        for documents in (1, 7, 100, 499, 854, 10**6 + 3):
-            expected = [None if m is None else (int(round(m[0] * float(documents))),
-                                                int(round(m[1] * float(documents))))
-                        for m in matrix]
-            assert split_document_ranges(split, documents) == expected
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    expected = [None if m is None else (int(round(m[0] * float(documents))),
+                                        int(round(m[1] * float(documents))))
+                for m in matrix]
+    assert split_document_ranges(split, documents) == expected
 
 
 def _write_dataset(prefix, lengths, vocab=VOCAB, seed=0):

@@ -24,6 +24,7 @@ import random
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -420,8 +421,8 @@ def _fsync_order_case(rank, world, root):
     final = os.path.join(root, "iter_0000003")
     staging, old = final + ".tmp", final + ".old"
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
-    os.fsync, os.replace = logged_fsync, logged_replace
-    try:
+    with mock.patch.object(os, "fsync", logged_fsync), \
+            mock.patch.object(os, "replace", logged_replace):
         for resave in (False, True):
             events.clear()
             _save(root, build)
@@ -444,8 +445,6 @@ def _fsync_order_case(rank, world, root):
                 assert last_sync < aside < move_in
             assert synced
             assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
-    finally:
-        os.fsync, os.replace = fsync, replace
     _teardown()
 
 
@@ -469,8 +468,8 @@ def _killed_resave(rank, world, root, weights_file):
             raise Killed("killed between the renames")
         return replace(src, dst, **kwargs)
 
-    os.replace = dying_replace
-    _save(root, build)
+    with mock.patch.object(os, "replace", dying_replace):
+        _save(root, build)
 
 
 def _recover(rank, world, root, weights_file):

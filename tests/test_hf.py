@@ -401,13 +401,19 @@ def test_unsupported_configs_are_refused(name):
         hf.model_args_from_hf_config(config)
 
 
-def test_unexportable_flags_are_refused():
+@pytest.mark.parametrize("change, message", [
+    ({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
+    ({"swiglu": False}, "swiglu=False"),
+    ({"add_qkv_bias": True}, "add_qkv_bias=True"),
+    ({"qk_layernorm": True}, "qk_layernorm=True"),
+])
+def test_unexportable_flags_are_refused(change, message):
     args = hf.model_args_from_hf_config(LLAMA31_8B)
-    for change, message in (({"normalization": "LayerNorm"}, "normalization='LayerNorm'"),
-                            ({"swiglu": False}, "swiglu=False"),
-                            ({"add_qkv_bias": True}, "add_qkv_bias=True"),
-                            ({"qk_layernorm": True}, "qk_layernorm=True")):
-        with pytest.raises(ValueError, match=message):
-            hf.hf_config_from_model_args({**args, **change}, "LlamaForCausalLM")
+    with pytest.raises(ValueError, match=message):
+        hf.hf_config_from_model_args({**args, **change}, "LlamaForCausalLM")
+
+
+def test_unknown_architecture_is_refused():
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
-        hf.hf_config_from_model_args(args, "GPT2LMHeadModel")
+        hf.hf_config_from_model_args(hf.model_args_from_hf_config(LLAMA31_8B),
+                                     "GPT2LMHeadModel")

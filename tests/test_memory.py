@@ -16,16 +16,20 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from distributed import free_port
+
+from megatron_ulysses import cpu_compat
 from megatron_ulysses.memory.activation_offload import (
     OffloadStats,
     enable_activation_offload,
     offload_saved_activations,
 )
-from megatron_ulysses.memory.tiled_loss import TiledLossGPTModelMixin, tiled_cross_entropy
+from megatron_ulysses.memory.tiled_loss import (
+    TiledLossGPTModelMixin,
+    resolve_loss_tiles,
+    tiled_cross_entropy,
+)
 from megatron_ulysses.memory.tiled_mlp import TiledMLP, resolve_mlp_tiles, tiled_mlp_layer_spec
-from megatron_ulysses import cpu_compat
-
-from distributed import free_port
 
 S, B, H, V = 20, 2, 16, 64
 
@@ -106,11 +110,11 @@ def _loss_weights():
 # ---------------------------------------------------------------- TiledMLP
 
 
-def _mlp_pair(config, num_shards):
+def _mlp_pair(config, num_tiles):
     submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     torch.manual_seed(0)
     plain = MLP(config, submodules, ffn_hidden_size=config.ffn_hidden_size)
-    tiled = TiledMLP(config, submodules, num_shards=num_shards,
+    tiled = TiledMLP(config, submodules, num_tiles=num_tiles,
                      ffn_hidden_size=config.ffn_hidden_size)
     tiled.load_state_dict(plain.state_dict())
     return plain, tiled
@@ -127,10 +131,10 @@ def _mlp_run(mlp, x, grad_out):
 
 
 @pytest.mark.parametrize("swiglu", [True, False], ids=["swiglu", "gelu_bias"])
-@pytest.mark.parametrize("num_shards", [1, 3, "auto", 0])
-def test_tiled_mlp_matches_mlp(swiglu, num_shards):
+@pytest.mark.parametrize("num_tiles", [1, 3, "auto"])
+def test_tiled_mlp_matches_mlp(swiglu, num_tiles):
     config = _config(swiglu)
-    plain, tiled = _mlp_pair(config, num_shards)
+    plain, tiled = _mlp_pair(config, num_tiles)
     gen = torch.Generator().manual_seed(1)
     x, grad_out = torch.randn(S, B, H, generator=gen), torch.randn(S, B, H, generator=gen)
 
@@ -149,7 +153,7 @@ def test_tiled_mlp_matches_mlp(swiglu, num_shards):
     for name in ref[3]:
         torch.testing.assert_close(got[3][name], ref[3][name], msg=name)
     # Forward then backward each visit every tile once; S = 20 is not a multiple of 3.
-    expected_rows = {1: [20], 3: [7, 7, 6], "auto": [10, 10], 0: [10, 10]}[num_shards]
+    expected_rows = {1: [20], 3: [7, 7, 6], "auto": [10, 10]}[num_tiles]
     assert sorted(fc1_rows) == sorted(expected_rows * 2)  # auto: ceil(20 / 16) = 2 tiles
 
 
@@ -178,13 +182,22 @@ def test_tiled_mlp_param_grads_flow_without_input_grad():
         torch.testing.assert_close(q.grad, p.grad, msg=name)
 
 
-def test_tiled_mlp_shard_rule_and_errors():
+def test_tiled_mlp_tile_rule():
     assert resolve_mlp_tiles("auto", 32768, 4096) == 8
-    assert resolve_mlp_tiles(0, 32769, 4096) == 9
+    assert resolve_mlp_tiles("auto", 32769, 4096) == 9
     assert resolve_mlp_tiles(5, 3, 4096) == 5  # clamped to s at tiling time
-    for bad in (-1, 1.5, "many", True):
-        with pytest.raises(ValueError, match="--tiled-mlp-shards"):
-            resolve_mlp_tiles(bad, 10, 10)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, "many", True])
+def test_bad_tile_counts_name_the_flag(bad):
+    """The CLI's rule (a positive int or "auto") in the resolvers too: 0 is no "auto"."""
+    with pytest.raises(ValueError, match="--tiled-mlp-shards must be a positive integer"):
+        resolve_mlp_tiles(bad, 10, 10)
+    with pytest.raises(ValueError, match="--tiled-loss-shards must be a positive integer"):
+        resolve_loss_tiles(bad, 10, 1, 10)
+
+
+def test_tiled_mlp_rejects_per_token_scale():
     _, tiled = _mlp_pair(_config(), 2)
     with pytest.raises(ValueError, match="--tiled-mlp-shards"):
         tiled(torch.randn(S, B, H), per_token_scale=torch.ones(S * B))

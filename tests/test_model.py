@@ -21,6 +21,8 @@ backends, whose references must also agree with each other. Packed documents (cu
 positions: SP shards carry global (or reset) position ids.
 """
 
+from unittest import mock
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -28,15 +30,14 @@ from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ulysses import all_to_all
+from distributed import spawn
+
+from megatron_ulysses import all_to_all, cpu_compat
 from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.backends import document_spans
 from megatron_ulysses.data.sharding import get_batch_for_sp_rank
 from megatron_ulysses.layer_specs import build_gpt_model
 from megatron_ulysses.loss import global_mean, masked_sum
-from megatron_ulysses import cpu_compat
-
-from distributed import spawn
 
 WORLD = 4
 V, HIDDEN, HEADS, GROUPS, FFN, B = 128, 64, 8, 2, 96, 2
@@ -215,18 +216,20 @@ class _ReplicationCounter:
     """Counts kv-head replications (G < P) in the Ulysses exchange."""
 
     def __init__(self):
-        self.count, self.original = 0, all_to_all.replicate_kv_heads
+        self.count, original = 0, all_to_all.replicate_kv_heads
 
-    def __enter__(self):
         def counting(kv, sp_size):
             self.count += kv.shape[2] < sp_size
-            return self.original(kv, sp_size)
+            return original(kv, sp_size)
 
-        all_to_all.replicate_kv_heads = counting
+        self.patch = mock.patch.object(all_to_all, "replicate_kv_heads", counting)
+
+    def __enter__(self):
+        self.patch.start()
         return self
 
     def __exit__(self, *exc):
-        all_to_all.replicate_kv_heads = self.original
+        self.patch.stop()
         return False
 
 

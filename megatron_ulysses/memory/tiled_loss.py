@@ -5,27 +5,24 @@ per tensor-parallel rank).
 """
 
 import math
-from typing import Optional, Union
+from typing import Optional
 
 import torch
 from megatron.core import tensor_parallel
 
-from megatron_ulysses.memory.tiling import sequence_tiled_recompute
-
-NumTiles = Union[int, str]
+from megatron_ulysses.memory.tiling import NumTiles, check_num_tiles, sequence_tiled_recompute
 
 # "auto" keeps each tile's float32 logits at or under this many bytes.
 AUTO_TILE_LOGITS_BYTES = 1 << 30
 
 
 def resolve_loss_tiles(num_tiles: NumTiles, seq_len: int, batch: int, vocab_local: int) -> int:
-    """Number of sequence tiles: ``num_tiles``, or for 0 / "auto" the fewest tiles
-    whose float32 logits ``[s/n, b, V/tp]`` fit in ``AUTO_TILE_LOGITS_BYTES``."""
-    if num_tiles in (0, "auto"):
+    """Number of sequence tiles: ``num_tiles``, or for "auto" the fewest tiles whose float32
+    logits ``[s/n, b, V/tp]`` fit in ``AUTO_TILE_LOGITS_BYTES``."""
+    check_num_tiles(num_tiles, "--tiled-loss-shards")
+    if num_tiles == "auto":
         return max(1, math.ceil(seq_len * batch * vocab_local * 4 / AUTO_TILE_LOGITS_BYTES))
-    if isinstance(num_tiles, int) and not isinstance(num_tiles, bool) and num_tiles > 0:
-        return num_tiles
-    raise ValueError(f"--tiled-loss-shards must be a positive int, 0 or 'auto', got {num_tiles!r}")
+    return num_tiles
 
 
 def tiled_cross_entropy(

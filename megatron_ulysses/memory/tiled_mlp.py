@@ -11,33 +11,29 @@ gradients equal plain ``MLP``'s.
 import dataclasses
 import functools
 import math
-from typing import Union
 
 import torch
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_ulysses.memory.tiling import sequence_tiled_recompute
-
-NumShards = Union[int, str]
+from megatron_ulysses.memory.tiling import NumTiles, check_num_tiles, sequence_tiled_recompute
 
 
-def resolve_mlp_tiles(num_shards: NumShards, seq_len: int, hidden_size: int) -> int:
-    """Number of sequence tiles: ``num_shards``, or ALST's ``ceil(s / h)`` for 0 / "auto".
+def resolve_mlp_tiles(num_tiles: NumTiles, seq_len: int, hidden_size: int) -> int:
+    """Number of sequence tiles: ``num_tiles``, or ALST's ``ceil(s / h)`` for "auto".
 
     ALST sizes tiles to about ``h`` tokens so each tile's ``[s/n, b, ffn]``
     intermediate is no larger than an ``h x ffn`` weight.
     """
-    if num_shards in (0, "auto"):
+    check_num_tiles(num_tiles, "--tiled-mlp-shards")
+    if num_tiles == "auto":
         return max(1, math.ceil(seq_len / hidden_size))
-    if isinstance(num_shards, int) and not isinstance(num_shards, bool) and num_shards > 0:
-        return num_shards
-    raise ValueError(f"--tiled-mlp-shards must be a positive int, 0 or 'auto', got {num_shards!r}")
+    return num_tiles
 
 
 class TiledMLP(MLP):
-    """``MLP`` whose forward tiles ``[s, b, h]`` along ``s`` into ``num_shards`` tiles
-    (0 or "auto": ``ceil(s / h)``, see ``resolve_mlp_tiles``).
+    """``MLP`` whose forward tiles ``[s, b, h]`` along ``s`` into ``num_tiles`` tiles
+    ("auto": ``ceil(s / h)``, see ``resolve_mlp_tiles``).
 
     Build it from a layer spec with ``tiled_mlp_layer_spec`` (works on
     megatron-core 0.16 and 0.19). Supported: TP == 1, or TP > 1 without
@@ -51,7 +47,7 @@ class TiledMLP(MLP):
         self,
         config,
         submodules,
-        num_shards: NumShards = "auto",
+        num_tiles: NumTiles = "auto",
         tp_group=None,
         pg_collection=None,
         is_mtp_layer: bool = False,
@@ -63,8 +59,8 @@ class TiledMLP(MLP):
         if tp_group is None and pg_collection is not None:
             tp_group = pg_collection.tp
         super().__init__(config=config, submodules=submodules, tp_group=tp_group, **mlp_kwargs)
-        resolve_mlp_tiles(num_shards, 1, 1)  # fail at build time on a bad flag value
-        self.num_shards = num_shards
+        resolve_mlp_tiles(num_tiles, 1, 1)  # fail at build time on a bad flag value
+        self.num_tiles = num_tiles
         if config.fp8 or getattr(config, "fp4", None):
             raise ValueError("--tiled-mlp-shards does not support --fp8 / --fp4")
         tp_size = self.tp_group.size() if self.tp_group is not None else 1
@@ -79,7 +75,7 @@ class TiledMLP(MLP):
         if per_token_scale is not None:
             raise ValueError("--tiled-mlp-shards does not support per_token_scale (MoE experts)")
         num_tiles = resolve_mlp_tiles(
-            self.num_shards, hidden_states.shape[0], self.config.hidden_size
+            self.num_tiles, hidden_states.shape[0], self.config.hidden_size
         )
         output = sequence_tiled_recompute(
             lambda tile, _: MLP.forward(self, tile)[0],
@@ -110,13 +106,13 @@ def _dense_mlp_submodules(mlp_spec):
     )
 
 
-def tiled_mlp_layer_spec(layer_spec: ModuleSpec, num_shards: NumShards) -> ModuleSpec:
+def tiled_mlp_layer_spec(layer_spec: ModuleSpec, num_tiles: NumTiles) -> ModuleSpec:
     """Copy of a ``TransformerLayer`` spec whose dense ``MLP`` is a ``TiledMLP``."""
-    resolve_mlp_tiles(num_shards, 1, 1)
+    resolve_mlp_tiles(num_tiles, 1, 1)
     mlp = ModuleSpec(
         module=TiledMLP,
         submodules=_dense_mlp_submodules(layer_spec.submodules.mlp),
-        params={"num_shards": num_shards},
+        params={"num_tiles": num_tiles},
     )
     return dataclasses.replace(
         layer_spec, submodules=dataclasses.replace(layer_spec.submodules, mlp=mlp)

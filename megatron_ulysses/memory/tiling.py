@@ -12,13 +12,25 @@ intermediates (e.g. ``[s/n, b, ffn]`` or ``[s/n, b, V]``) ever exist at a time.
 DDP with ``overlap_grad_reduce`` learns each parameter's hook count per step
 from the first batch, so the tile count must stay the same across steps
 (true for a fixed sequence length, "auto" included).
+
+One noun: the flags `--tiled-mlp-shards N` / `--tiled-loss-shards N` (ALST's name) set the
+number of tiles N, a positive int or "auto".
 """
 
-from typing import Callable, Iterable, List
+from typing import Callable, Iterable, List, Union
 
 import torch
 
 TileFn = Callable[[torch.Tensor, slice], torch.Tensor]
+NumTiles = Union[int, str]  # a positive count or "auto"
+
+
+def check_num_tiles(num_tiles: NumTiles, flag: str) -> None:
+    """A positive int or "auto", as the flag `flag` takes it."""
+    if num_tiles == "auto":
+        return
+    if not isinstance(num_tiles, int) or isinstance(num_tiles, bool) or num_tiles < 1:
+        raise ValueError(f"{flag} must be a positive integer or 'auto', got {num_tiles!r}")
 
 
 def tile_slices(seq_len: int, num_tiles: int) -> List[slice]:
