@@ -9,6 +9,7 @@ outside the vocabulary are found when a batch is read, and end the run the same 
 
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -18,15 +19,21 @@ warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not ins
 
 from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
 
+RANK_0_GRACE_S = 30  # how long the other ranks give rank 0 to report an error and exit
+
 
 def _is_rank_0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
 def _report(error: Exception) -> int:
-    """Every rank finds the same configuration error; rank 0 says it."""
-    if _is_rank_0():
-        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+    """Every rank finds the same configuration error; rank 0 says it. The others wait before
+    they exit: torchrun stops every rank as soon as one exits, which could otherwise be before
+    rank 0 has written the message; rank 0's exit ends the wait. A rank still alive after it
+    (rank 0 did not find the error) says it itself."""
+    if not _is_rank_0():
+        time.sleep(RANK_0_GRACE_S)
+    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
     return 2
 
 
