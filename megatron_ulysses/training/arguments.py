@@ -35,7 +35,17 @@ def _tiles(value: str):
     return number
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _number(value: str):
+    """An int when integral ('4' -> 4), else a float."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}")
+    return int(number) if number.is_integer() else number
+
+
+def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
+    """`model_flags_required=False` (with --use-checkpoint-args): the checkpoint gives them."""
     parser = argparse.ArgumentParser(
         prog="pretrain_gpt.py",
         description="GPT pretraining on megatron-core with Ulysses sequence parallelism. "
@@ -61,10 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "(needs --recompute-granularity full).")
 
     g = parser.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-layers", type=int, required=model_flags_required)
+    g.add_argument("--hidden-size", type=int, required=model_flags_required)
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=model_flags_required)
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=None)
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
@@ -75,11 +85,20 @@ def build_parser() -> argparse.ArgumentParser:
                    default="learned_absolute")
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="llama3 RoPE frequency scaling (megatron-core's; needs "
+                   "--position-embedding-type rope)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the llama3 scaling factor of --use-rope-scaling")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=_number, default=None,
+                   help="linear RoPE position interpolation: positions / factor")
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the q/k/v projection only (Qwen2), with --disable-bias-linear")
     g.add_argument("--qk-layernorm", action="store_true")
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
@@ -217,6 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only; iteration and consumed samples start at 0")
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="with --load: take the model's shape flags (--num-layers, "
+                   "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
+                   "checkpoint instead of the command line")
     return parser
 
 
@@ -489,6 +512,16 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
                  "--tiled-mlp-shards/--tiled-loss-shards do not support --sequence-parallel "
                  "with --tensor-model-parallel-size > 1")
 
+    if args.position_embedding_type != "rope":
+        for name in ("use_rope_scaling", "rotary_seq_len_interpolation_factor"):
+            _require(getattr(args, name) in (False, None),
+                     f"{flag_name(name)} needs --position-embedding-type rope")
+    _require(not (args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None),
+             "--use-rope-scaling and --rotary-seq-len-interpolation-factor are exclusive; give "
+             "one")
+    _check_range(args, "rope_scaling_factor", low=0, low_open=True)
+    _check_range(args, "rotary_seq_len_interpolation_factor", low=0, low_open=True,
+                 optional=True)
     if args.position_embedding_type == "rope":  # megatron-core rotates int(d x percent) dims
         rotary_dim = args.kv_channels if args.rotary_percent >= 1.0 else \
             int(args.kv_channels * args.rotary_percent)
@@ -510,6 +543,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     _require(args.save_interval is None or args.save_interval > 0,
              f"--save-interval must be positive, got {args.save_interval}")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
+    _require(not (args.use_checkpoint_args and args.load is None),
+             "--use-checkpoint-args needs --load")
     for name in ("save", "tensorboard_dir", "data_cache_path"):  # fail now, not after training
         if getattr(args, name) is not None:
             _check_writable_dir(getattr(args, name), flag_name(name))
@@ -526,9 +561,52 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
     return int(math.ceil(vocab_size / multiple) * multiple)
 
 
+# Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds).
+CHECKPOINT_ARGS = (
+    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+    "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+    "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "normalization", "norm_epsilon", "swiglu",
+    "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
+    "qk_layernorm", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+)
+
+
+def apply_checkpoint_args(args: argparse.Namespace) -> None:
+    """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
+    for pickled code before it is read), over the command line's."""
+    _require(args.load is not None, "--use-checkpoint-args needs --load")
+    from .checkpointing import read_checkpoint_args  # it imports this module
+
+    saved = read_checkpoint_args(args.load)
+    if saved is None:
+        raise ConfigError(f"--use-checkpoint-args: no checkpoint at --load {args.load} (its "
+                          "latest_checkpointed_iteration.txt is missing)")
+    missing = [flag_name(k) for k in ("num_layers", "hidden_size", "num_attention_heads")
+               if saved.get(k) is None]
+    _require(not missing, f"--use-checkpoint-args: the checkpoint at --load {args.load} holds "
+             f"no {', '.join(missing)}; give them on the command line")
+    for name in CHECKPOINT_ARGS:
+        if name in saved:
+            setattr(args, name, saved[name])
+    if "num_query_groups" in saved:
+        args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
+        if not args.group_query_attention:
+            args.num_query_groups = None
+    if args.vocab_size is None and saved.get("vocab_size") is not None and \
+            args.tokenizer_type in (None, "NullTokenizer"):
+        args.vocab_size = saved["vocab_size"]
+
+
 def parse_args(argv=None, world_size: int = None) -> RunConfig:
     """Parse, validate and freeze; argparse errors exit 2, `ConfigError` is raised."""
-    args = build_parser().parse_args(argv)
+    import sys
+
+    raw = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(model_flags_required="--use-checkpoint-args" not in raw).parse_args(raw)
+    if args.use_checkpoint_args:
+        apply_checkpoint_args(args)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return validate_args(args, world_size, torch.cuda.is_available())

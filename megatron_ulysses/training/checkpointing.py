@@ -73,11 +73,19 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "num_query_groups", "kv_channels", "padded_vocab_size",
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
-               "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear")
+               "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear",
+               "add_qkv_bias")
+# What a checkpoint saved before an arg existed means by its absence (it still loads).
+_MISSING_MEANS = {"add_qkv_bias": False}
 # Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
-_SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + ("max_position_embeddings", "rotary_base")
+# Also saved (not checked; --use-checkpoint-args takes them): RoPE and norm numerics, the vocab
+# padding and --vocab-size (None with a tokenizer file).
+_SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + (
+    "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
+    "vocab_size")
 _SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
@@ -455,14 +463,16 @@ def _saved_args(config) -> dict:
     """The `_SAVED_ARGS` values of a `RunConfig`, by Megatron-LM argument name."""
     values = {**dataclasses.asdict(config.model), "tensor_model_parallel_size": config.dims.tp,
               "pipeline_model_parallel_size": config.dims.pp,
-              "use_distributed_optimizer": config.optimizer.use_distributed_optimizer}
+              "use_distributed_optimizer": config.optimizer.use_distributed_optimizer,
+              "vocab_size": config.data.vocab_size}
     return {key: values[key] for key in _SAVED_ARGS}
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
-                    consumed_samples: int) -> None:
+                    consumed_samples: int, extra_common: dict = None) -> None:
     """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it.
-    `config`: the `RunConfig` (the shape and optimizer values a load checks)."""
+    `config`: the `RunConfig` (the shape and optimizer values a load checks); `extra_common`:
+    more plain values for the common state (tools/convert_hf.py's "hf_config")."""
     staging = checkpoint_dir(root, iteration) + ".tmp"
     rank = dist.get_rank()
     if rank == 0:
@@ -476,6 +486,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
         "consumed_samples": consumed_samples,
         "args": _saved_args(config),
         "rng_layout": _rng_layout(rng_states),
+        **(extra_common or {}),
     }, "common state")
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 rng_states=rng_states, common=common)
@@ -506,6 +517,7 @@ def _check_args(path: str, saved: dict, run: dict) -> None:
     if run["position_embedding_type"] == "learned_absolute":
         keys.append("max_position_embeddings")
     missing = object()
+    saved = {**_MISSING_MEANS, **saved}
     mismatched = [(key, saved.get(key, missing), run[key]) for key in keys
                   if saved.get(key, missing) != run[key]]
     if mismatched:
@@ -541,16 +553,13 @@ def _checkpoint_path(root: str, iteration: int) -> str:
                       "not exist; fix the tracker or --load another directory")
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, config):
-    """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
-    when there is none. `--finetune` loads the model only and restarts at 0. Every problem
-    with the checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
-    flags, run = config.checkpoint, _saved_args(config)
+def read_common_state(root: str):
+    """(iteration, path, common state dict) of the latest checkpoint in `root`, None when there
+    is none; its files are checked for pickled code before megatron-core reads them. Needs no
+    process group."""
     iteration = read_tracker(root)
     if iteration is None:
-        print_rank_0(f" WARNING: no checkpoint at --load {root} ({TRACKER} missing); "
-                     "training from scratch")
-        return 0, 0
+        return None
     path = _checkpoint_path(root, iteration)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
     common = dist_checkpointing.load_common_state_dict(path)
@@ -558,6 +567,33 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
         version = common.get("format_version") if isinstance(common, dict) else None
         raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
                           f"megatron_ulysses reads format {FORMAT_VERSION}")
+    return iteration, path, common
+
+
+def read_checkpoint_args(root: str):
+    """The saved model args (a dict) of the latest checkpoint in `root`, None when there is
+    none (for --use-checkpoint-args)."""
+    found = read_common_state(root)
+    if found is None:
+        return None
+    saved = found[2].get("args")
+    if not isinstance(saved, dict):
+        raise ConfigError(f"--load {found[1]} holds no saved args (its common state has no "
+                          "'args' dict); give the model flags instead of --use-checkpoint-args")
+    return saved
+
+
+def load_checkpoint(root: str, model, optimizer, scheduler, config):
+    """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
+    when there is none. `--finetune` loads the model only and restarts at 0. Every problem
+    with the checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
+    flags, run = config.checkpoint, _saved_args(config)
+    found = read_common_state(root)
+    if found is None:
+        print_rank_0(f" WARNING: no checkpoint at --load {root} ({TRACKER} missing); "
+                     "training from scratch")
+        return 0, 0
+    iteration, path, common = found
     saved_args = common.get("args")
     _check_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
     saved_iteration = common.get("iteration")

@@ -31,11 +31,15 @@ class ModelConfig:
     position_embedding_type: str
     rotary_base: int
     rotary_percent: float
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+    rotary_seq_len_interpolation_factor: Optional[float]
     normalization: str
     norm_epsilon: float
     swiglu: bool
     untie_embeddings_and_output_weights: bool
     disable_bias_linear: bool
+    add_qkv_bias: bool
     qk_layernorm: bool
     attention_dropout: float
     hidden_dropout: float

@@ -18,7 +18,7 @@ from ..data.batches import Batches
 from ..data.datasets import build_train_valid_test_datasets, check_data_path
 from ..data.tokenizers import build_tokenizer, check_for_training
 from .arguments import ConfigError, padded_vocab_size
-from .checkpointing import load_checkpoint, save_checkpoint
+from .checkpointing import load_checkpoint, read_common_state, save_checkpoint
 from .config import RunConfig
 from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_scheduler, transformer_config
@@ -102,6 +102,33 @@ def _build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
     return train, valid
 
 
+def build_model_and_optimizer(config: RunConfig):
+    """The model (DDP), optimizer and LR scheduler of a run whose process groups exist
+    (`initialize_distributed`); tools/convert_hf.py builds through it too."""
+    model_config, training = config.model, config.training
+    mcore_config = transformer_config(model_config, config.dims)
+    model = build_model(model_config, config.optimizer, training.seed, mcore_config)
+    optimizer = build_optimizer(config.optimizer, model_config, model)
+    mcore_config.finalize_model_grads_func = finalize_model_grads
+    mcore_config.no_sync_func = model.no_sync
+    if model_config.fp16:
+        mcore_config.grad_scale_func = optimizer.scale_loss
+    scheduler = build_scheduler(config.optimizer, training, optimizer)
+    return model, optimizer, scheduler
+
+
+CARRIED_COMMON_KEYS = ("hf_config",)  # common state a save keeps from the loaded checkpoint
+
+
+def carried_common_state(root: str) -> dict:
+    """What the next save keeps from the checkpoint at `root`: the Hugging Face config
+    tools/convert_hf.py stored on import (so a trained checkpoint still exports)."""
+    found = read_common_state(root)
+    if found is None:
+        return {}
+    return {key: found[2][key] for key in CARRIED_COMMON_KEYS if key in found[2]}
+
+
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     tokenizer = _check_inputs(config)
@@ -115,20 +142,15 @@ def pretrain(config: RunConfig) -> None:
                  f"attention backend {model_config.ulysses_attention_backend}; padded vocab "
                  f"{model_config.padded_vocab_size}")
 
-    mcore_config = transformer_config(model_config, dims)
-    model = build_model(model_config, config.optimizer, training.seed, mcore_config)
-    optimizer = build_optimizer(config.optimizer, model_config, model)
-    mcore_config.finalize_model_grads_func = finalize_model_grads
-    mcore_config.no_sync_func = model.no_sync
-    if model_config.fp16:
-        mcore_config.grad_scale_func = optimizer.scale_loss
-    scheduler = build_scheduler(config.optimizer, training, optimizer)
+    model, optimizer, scheduler = build_model_and_optimizer(config)
     print_rank_0(f" > parameters on rank 0: {sum(p.numel() for p in model.parameters()):,}")
 
     iteration, consumed = 0, 0
+    extra_common = {}
     if checkpoint.load:
         iteration, consumed = load_checkpoint(checkpoint.load, model, optimizer, scheduler,
                                               config)
+        extra_common = carried_common_state(checkpoint.load)
     scheduler.step(increment=0)  # set lr for the first step (no-op after a load)
     train_batches, valid_batches = _build_batches(config, tokenizer, iteration, consumed)
 
@@ -139,7 +161,7 @@ def pretrain(config: RunConfig) -> None:
     def save():
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
-                            consumed)
+                            consumed, extra_common)
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True

@@ -44,6 +44,7 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         gated_linear_unit=model.swiglu,
         activation_func=F.silu if model.swiglu else F.gelu,
         add_bias_linear=not model.disable_bias_linear,
+        add_qkv_bias=model.add_qkv_bias,
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
         init_method_std=model.init_method_std,
@@ -94,6 +95,8 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
             share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
             position_embedding_type=model.position_embedding_type,
             rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+            rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
+            seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
         )
     if torch.cuda.is_available():
         gpt.cuda(torch.cuda.current_device())

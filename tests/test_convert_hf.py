@@ -1,0 +1,149 @@
+"""tools/convert_hf.py and `pretrain_gpt.py --use-checkpoint-args`, as a user runs them.
+
+A tiny random Llama with GQA (fp32, untied, vocab 100) saved with `save_pretrained`:
+- import at TP 1 (and TP 2) -> export gives every tensor bitwise equal and the same config.json;
+  `AutoModelForCausalLM.from_pretrained` of the export gives the original's logits exactly;
+- `pretrain_gpt.py --load CKPT --use-checkpoint-args --finetune` (no model flags) trains it at
+  SP = 1 and SP = 2 with the same per-iteration losses, and the trained checkpoint exports;
+- bad input exits 2 with one message naming the flag.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from conftest import REPO_ROOT
+from test_cli import losses
+
+TOOL = str(REPO_ROOT / "tools" / "convert_hf.py")
+VOCAB = 100
+
+
+def _env():
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def convert(*flags):
+    return subprocess.run([sys.executable, TOOL, *flags], env=_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, max_position_embeddings=256)
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn_like(param)
+            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
+    path = tmp_path_factory.mktemp("hf") / "llama"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(hf_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "imported"
+    result = convert("import", "--hf-path", str(hf_dir), "--output", str(path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return path
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _assert_same_model(original, exported):
+    a, b = _tensors(original), _tensors(exported)
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+    assert json.loads((exported / "config.json").read_text()) == \
+        json.loads((original / "config.json").read_text())
+
+
+def test_import_export_is_bitwise_and_loads_in_transformers(hf_dir, checkpoint, tmp_path):
+    out = tmp_path / "exported"
+    result = convert("export", "--load", str(checkpoint), "--output", str(out))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _assert_same_model(hf_dir, out)
+    tokens = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(7))
+    logits = []
+    for path in (hf_dir, out):
+        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        with torch.no_grad():
+            logits.append(model(tokens).logits)
+    assert torch.equal(logits[0], logits[1])
+
+
+def test_import_export_at_tp2_is_bitwise(hf_dir, tmp_path):
+    ckpt, out = tmp_path / "tp2", tmp_path / "exported"
+    result = convert("import", "--hf-path", str(hf_dir), "--output", str(ckpt),
+                     "--tensor-model-parallel-size", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    result = convert("export", "--load", str(ckpt), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_model(hf_dir, out)
+
+
+def _train(nproc, checkpoint, *flags):
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
+               "--load", str(checkpoint), "--use-checkpoint-args", "--finetune",
+               "--mock-data", "--vocab-size", str(VOCAB), "--seq-length", "64",
+               "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+               "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+               "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0", *flags]
+    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+
+
+def test_finetune_from_checkpoint_args_at_sp1_and_sp2(hf_dir, checkpoint, tmp_path):
+    expected = losses(_train(1, checkpoint))
+    assert sorted(expected) == [1, 2]
+    trained = tmp_path / "trained"
+    got = losses(_train(2, checkpoint, "--ulysses-sp-size", "2", "--save", str(trained)))
+    assert got.keys() == expected.keys()
+    for iteration, loss in expected.items():
+        assert got[iteration] == pytest.approx(loss, rel=2e-6), iteration
+    # The trained checkpoint keeps the HF config: it exports, with the same config.json.
+    out = tmp_path / "exported"
+    result = convert("export", "--load", str(trained), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((out / "config.json").read_text()) == \
+        json.loads((hf_dir / "config.json").read_text())
+    assert not torch.equal(_tensors(out)["model.norm.weight"],
+                           _tensors(hf_dir)["model.norm.weight"])  # it did train
+
+
+def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path):
+    result = convert("import", "--hf-path", str(tmp_path / "missing"), "--output",
+                     str(tmp_path / "c"))
+    assert result.returncode == 2 and "--hf-path" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = convert("import", "--hf-path", str(hf_dir), "--output", str(tmp_path / "c"),
+                     "--tensor-model-parallel-size", "3")
+    assert result.returncode == 2 and "--tensor-model-parallel-size" in result.stderr
+    result = convert("import", "--hf-path", str(hf_dir), "--output", str(tmp_path / "c"),
+                     "--pipeline-model-parallel-size", "2")
+    assert result.returncode == 2 and "not supported yet" in result.stderr
+    bad = tmp_path / "gpt2"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    result = convert("import", "--hf-path", str(bad), "--output", str(tmp_path / "c"))
+    assert result.returncode == 2 and "architectures" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = convert("export", "--load", str(tmp_path / "nothing"), "--output",
+                     str(tmp_path / "o"))
+    assert result.returncode == 2 and "--load" in result.stderr
+    assert not (tmp_path / "c").exists()
