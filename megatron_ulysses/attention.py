@@ -45,7 +45,6 @@ class UlyssesAttention(MegatronModule):
         self.sp_size = ps.get_ulysses_sp_world_size()
         tp = config.tensor_model_parallel_size
         heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        ps.get_parallel_dims().validate_model(config.num_attention_heads, config.num_query_groups)
         self.num_heads = heads // self.sp_size
         self.num_kv_heads = max(groups, self.sp_size) // self.sp_size
         self.backend = resolve_backend(backend)

@@ -37,9 +37,10 @@ def te_available() -> bool:
 
 
 def resolve_backend(name: str) -> str:
-    """`auto` -> `te` when Transformer Engine is installed, else `sdpa`."""
+    """`auto` -> `te` when Transformer Engine is installed and CUDA is there, else `sdpa` (a
+    CPU node with TE installed, e.g. to convert a checkpoint, runs sdpa)."""
     if name == "auto":
-        return "te" if te_available() else "sdpa"
+        return "te" if te_available() and torch.cuda.is_available() else "sdpa"
     if name not in BACKENDS:
         raise ValueError(
             f"--ulysses-attention-backend must be one of auto, {', '.join(BACKENDS)}; got {name!r}"
@@ -48,6 +49,11 @@ def resolve_backend(name: str) -> str:
         raise ValueError(
             "--ulysses-attention-backend te needs Transformer Engine "
             "(pip install 'megatron_ulysses[te]'); use sdpa or local instead"
+        )
+    if name == "te" and not torch.cuda.is_available():
+        raise ValueError(
+            "--ulysses-attention-backend te needs CUDA (Transformer Engine's kernels); on CPU "
+            "use sdpa or local"
         )
     return name
 

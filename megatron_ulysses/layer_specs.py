@@ -16,6 +16,7 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 
+from . import parallel_state as ps
 from .attention import UlyssesAttention
 from .backends import resolve_backend
 from .memory.tiled_loss import TiledLossGPTModelMixin
@@ -77,7 +78,9 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: 
                     pre_process: bool = True, post_process: bool = True,
                     tiled_mlp_shards=None, **gpt_kwargs):
     """A `UlyssesGPTModel` with the Ulysses layer spec for `backend`; `tiled_mlp_shards`
-    (None = off) runs the MLP over sequence tiles, other kwargs go to `GPTModel`."""
+    (None = off) runs the MLP over sequence tiles, other kwargs go to `GPTModel`. The heads are
+    checked against TP x SP here, once (the exchanges check the tensors' shapes)."""
+    ps.get_parallel_dims().validate_model(config.num_attention_heads, config.num_query_groups)
     spec = get_gpt_layer_ulysses_spec(
         backend, normalization=config.normalization, qk_layernorm=config.qk_layernorm
     )

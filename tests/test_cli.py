@@ -35,11 +35,11 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 
 
-def launch(nproc: int, *flags: str, **popen):
+def launch(nproc: int, *flags: str, run=RUN, **popen):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
-               *MODEL, *RUN, *flags]
+               *MODEL, *run, *flags]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, **popen)
 
 
@@ -182,6 +182,23 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     assert {"lr", "throughput", "memory"} <= logged.keys()
 
 
+def test_skip_train_evaluates_a_checkpoint_as_its_training_did(data_flags, tmp_path):
+    # --skip-train reads the validation batches from the split's start, as the first evaluation
+    # of a training run does: the same loss, at SP 1 and SP 2, without --lr or --train-iters.
+    ckpt = tmp_path / "ckpt"
+    trained = launch(1, *data_flags, "--train-iters", "4", "--eval-interval", "4",
+                     "--eval-iters", "2", "--save", str(ckpt))
+    expected = validation(trained)
+    assert list(expected) == [4]
+    for nproc, sp in ((1, 1), (2, 2)):
+        command = [flag for flag in RUN if flag not in ("--lr", "1e-3")]
+        result = launch(nproc, *data_flags, "--eval-iters", "2", "--skip-train", "--load",
+                        str(ckpt), "--ulysses-sp-size", str(sp), run=command)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        assert validation(result) == pytest.approx(expected, rel=2e-6), sp
+        assert not ITERATION.search(result.stdout), "it trained"
+
+
 BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
         "--vocab-size", "64"]
 
@@ -197,6 +214,7 @@ BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
     (["--exit-signal-handler"], 1, "--exit-signal-handler saves before exiting: it needs --save"),
     (["--data-path", "x"], 1, "give --data-path or --mock-data, not both"),
     (["--ulysses-sp-size", "0"], 1, "--ulysses-sp-size must be >= 1"),
+    (["--skip-train", "--eval-iters", "0"], 1, "--skip-train evaluates --eval-iters batches"),
     (["--ulysses-sp-size", "2", "--seq-length", "63", "--position-embedding-type",
       "learned_absolute", "--max-position-embeddings", "63"], 2,
      "--max-position-embeddings (63) must be >= --seq-length (63) padded to a multiple of "

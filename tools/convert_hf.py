@@ -185,7 +185,8 @@ def run_world(world: int, fn, *args) -> None:
 
 
 def _build(config):
-    from megatron_ulysses.training.loop import build_model_and_optimizer, initialize_distributed
+    from megatron_ulysses.training.loop import initialize_distributed
+    from megatron_ulysses.training.model import build_model_and_optimizer
 
     initialize_distributed(config)
     return build_model_and_optimizer(config)

@@ -14,6 +14,7 @@ import torch
 from ..backends import BACKENDS, resolve_backend, te_available
 from ..data.datasets import parse_data_path, parse_split
 from ..data.tokenizers import TOKENIZER_TYPES
+from ..memory.tiling import check_num_tiles
 from ..parallel_state import ParallelDims
 from .config import RunConfig, from_namespace
 
@@ -23,14 +24,11 @@ class ConfigError(ValueError):
 
 
 def _tiles(value: str):
-    """`--tiled-*-shards`: a positive int or 'auto'."""
-    if value == "auto":
-        return value
+    """`--tiled-*-shards`: a positive int or 'auto' (`tiling.check_num_tiles`)."""
     try:
-        number = int(value)
+        number = value if value == "auto" else int(value)
+        check_num_tiles(number, "the value")
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
-    if number < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer or 'auto', got {value!r}")
     return number
 
@@ -140,7 +138,7 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
 
     g = parser.add_argument_group("optimizer and schedule")
     g.add_argument("--optimizer", choices=("adam",), default="adam")
-    g.add_argument("--lr", type=float, required=True)
+    g.add_argument("--lr", type=float, default=None, help="required unless --skip-train")
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
                                                 "inverse-square-root"), default="linear")
@@ -183,6 +181,10 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
                    help="instead of --train-iters: samples / global batch size iterations")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--skip-train", action="store_true",
+                   help="no training: load the weights at --load, evaluate --eval-iters "
+                   "validation batches (from the start of the valid split), print the "
+                   "validation line and exit (--train-iters, --lr and --save are not needed)")
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
@@ -345,8 +347,11 @@ def _check_data_source(args, warnings: list) -> None:
             parse_data_path(args.data_path)
         except (ValueError, OSError) as error:
             raise ConfigError(str(error)) from None
-        _require(split[0] > 0, f"--split {args.split} gives the train split weight 0, so there "
+        _require(split[0] > 0 or args.skip_train, f"--split {args.split} gives the train split weight 0, so there "
                  "is nothing to train on; give it a positive first weight, e.g. --split 969,30,1")
+        _require(not (args.skip_train and split[1] == 0),
+                 f"--skip-train evaluates the valid split, but --split {args.split} gives it "
+                 "weight 0; give it a weight, e.g. --split 0,1,0")
         if split[1] == 0 and args.eval_iters > 0:
             warnings.append(
                 f"--split {args.split} gives the valid split weight 0: no evaluation runs "
@@ -372,11 +377,21 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     if args.initial_loss_scale is None and args.seq_length > 0 and args.micro_batch_size > 0:
         tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
         args.initial_loss_scale = max(1.0, 2.0**20 / 2 ** math.ceil(math.log2(tokens)))
+    if args.skip_train:
+        _require(args.eval_iters > 0, f"--skip-train evaluates --eval-iters batches; give a "
+                 f"positive --eval-iters (got {args.eval_iters})")
+        if args.train_iters is None and args.train_samples is None:
+            args.train_iters = 0  # nothing trains: no optimizer or schedule is built
+        if args.lr is None:
+            args.lr = 0.0
+    else:
+        _require(args.lr is not None, "--lr is required (except with --skip-train)")
     _require((args.train_iters is None) != (args.train_samples is None),
              "give one of --train-iters and --train-samples")
+    steps = [] if args.skip_train else [
+        "train_iters" if args.train_iters is not None else "train_samples"]
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters" if args.train_iters is not None
-                 else "train_samples", "log_interval", "eval_interval"):
+                 "micro_batch_size", *steps, "log_interval", "eval_interval"):
         _require(getattr(args, flag) > 0,
                  f"{flag_name(flag)} must be positive, got {getattr(args, flag)}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0, got {args.eval_iters}")
@@ -459,7 +474,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     warmup = ("--lr-warmup-iters" if args.lr_warmup_fraction is None else
               f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters")
     decay = "--lr-decay-iters" + (" (default --train-iters)" if decay_defaulted else "")
-    _require(args.lr_warmup_iters < args.lr_decay_iters,
+    _require(args.lr_warmup_iters < args.lr_decay_iters or args.skip_train,
              f"{warmup} ({args.lr_warmup_iters} iterations) must be < {decay} "
              f"({args.lr_decay_iters}); shorten the warmup or raise --lr-decay-iters")
     _require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
@@ -543,6 +558,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     _require(args.save_interval is None or args.save_interval > 0,
              f"--save-interval must be positive, got {args.save_interval}")
     _require(not (args.finetune and args.load is None), "--finetune needs --load")
+    if args.skip_train:
+        if args.load is None:
+            warnings.append("--skip-train without --load evaluates the freshly initialised "
+                            "model")
+        if args.save is not None:
+            warnings.append(f"--save {args.save} is ignored with --skip-train (nothing trains)")
     _require(not (args.use_checkpoint_args and args.load is None),
              "--use-checkpoint-args needs --load")
     for name in ("save", "tensorboard_dir", "data_cache_path"):  # fail now, not after training

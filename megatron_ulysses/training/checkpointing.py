@@ -570,6 +570,18 @@ def read_common_state(root: str):
     return iteration, path, common
 
 
+CARRIED_COMMON_KEYS = ("hf_config",)  # common state a save keeps from the loaded checkpoint
+
+
+def carried_common_state(root: str) -> dict:
+    """What the next save keeps from the checkpoint at `root`: the Hugging Face config
+    tools/convert_hf.py stored on import (so a trained checkpoint still exports)."""
+    found = read_common_state(root)
+    if found is None:
+        return {}
+    return {key: found[2][key] for key in CARRIED_COMMON_KEYS if key in found[2]}
+
+
 def read_checkpoint_args(root: str):
     """The saved model args (a dict) of the latest checkpoint in `root`, None when there is
     none (for --use-checkpoint-args)."""
@@ -585,8 +597,9 @@ def read_checkpoint_args(root: str):
 
 def load_checkpoint(root: str, model, optimizer, scheduler, config):
     """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
-    when there is none. `--finetune` loads the model only and restarts at 0. Every problem
-    with the checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
+    when there is none. `--finetune` loads the model only and restarts at 0; `optimizer` None
+    loads the model only, at the checkpoint's iteration (--skip-train). Every problem with the
+    checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
     flags, run = config.checkpoint, _saved_args(config)
     found = read_common_state(root)
     if found is None:
@@ -600,17 +613,18 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     if saved_iteration != iteration:
         raise ConfigError(f"--load {path} holds iteration {saved_iteration}, but {TRACKER} "
                           f"names {iteration}")
+    model_only = optimizer is None or flags.finetune
     train_iters = config.training.train_iters
-    if not flags.finetune and iteration > train_iters:
+    if optimizer is not None and not flags.finetune and iteration > train_iters:
         raise ConfigError(f"--train-iters ({train_iters}) is smaller than the iteration "
                           f"of the checkpoint at --load {path} ({iteration}); give "
                           f"--train-iters {iteration} or more (or --finetune)")
 
-    with_optimizer = not (flags.finetune or flags.no_load_optim)
+    with_optimizer = not (model_only or flags.no_load_optim)
     if with_optimizer:
         _check_optimizer_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
     rng_states = None
-    if not (flags.finetune or flags.no_load_rng):
+    if not (model_only or flags.no_load_rng):
         rng_states = _rng_tensors()  # this run's names and shapes, overwritten by the load
         saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
         if saved_layout != layout:

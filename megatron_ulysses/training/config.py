@@ -124,6 +124,7 @@ class TrainingConfig:
     train_iters: int
     eval_interval: int
     eval_iters: int
+    skip_train: bool
     seed: int
     exit_interval: Optional[int]
     exit_signal_handler: bool

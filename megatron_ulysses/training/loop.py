@@ -9,7 +9,6 @@ import signal
 
 import torch
 import torch.distributed as dist
-from megatron.core.distributed import finalize_model_grads
 
 from .. import cpu_compat
 from .. import parallel_state as ps
@@ -18,11 +17,10 @@ from ..data.batches import Batches
 from ..data.datasets import build_train_valid_test_datasets, check_data_path
 from ..data.tokenizers import build_tokenizer, check_for_training
 from .arguments import ConfigError, padded_vocab_size
-from .checkpointing import load_checkpoint, read_common_state, save_checkpoint
+from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .logging import TrainingLogger, print_rank_0
-from .model import build_model, build_scheduler, transformer_config
-from .optimizer import build_optimizer
+from .model import build_model, build_model_and_optimizer, transformer_config
 from .schedule import evaluate, train_step
 
 
@@ -81,12 +79,19 @@ def _check_inputs(config: RunConfig):
 
 
 def _build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
-    """Train and validation batches; both resume where the run left them (as Megatron-LM)."""
+    """Train and validation batches; both resume where the run left them (as Megatron-LM).
+    --skip-train: the validation batches from the split's start (the same for every
+    checkpoint), one train batch's worth of train samples (never read)."""
     training = config.training
     gbs = training.global_batch_size
-    eval_samples = (training.train_iters // training.eval_interval + 1) * training.eval_iters * gbs
+    if training.skip_train:
+        sizes, valid_consumed = [gbs, training.eval_iters * gbs, 0], 0
+    else:
+        evaluations = training.train_iters // training.eval_interval + 1
+        sizes = [training.train_iters * gbs, evaluations * training.eval_iters * gbs, 0]
+        valid_consumed = iteration // training.eval_interval * training.eval_iters * gbs
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
-        tokenizer, config.model.seq_length, [training.train_iters * gbs, eval_samples, 0],
+        tokenizer, config.model.seq_length, sizes,
         data_path=list(config.data.data_path) if config.data.data_path else None,
         split=config.data.split, mock_data=config.data.mock_data, seed=training.seed,
         data_cache_path=config.data.data_cache_path,
@@ -94,39 +99,27 @@ def _build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
         eod_mask_loss=config.data.eod_mask_loss,
     )
     mbs = training.micro_batch_size
-    train = Batches(train_ds, consumed, mbs, config.data, tokenizer)
+    train = Batches(train_ds, consumed, mbs, config.data, tokenizer) if train_ds else None
     valid = None
     if valid_ds is not None and training.eval_iters > 0:
-        valid_consumed = iteration // training.eval_interval * training.eval_iters * gbs
         valid = Batches(valid_ds, valid_consumed, mbs, config.data, tokenizer)
     return train, valid
 
 
-def build_model_and_optimizer(config: RunConfig):
-    """The model (DDP), optimizer and LR scheduler of a run whose process groups exist
-    (`initialize_distributed`); tools/convert_hf.py builds through it too."""
+def evaluate_only(config: RunConfig, tokenizer) -> None:
+    """--skip-train: the model's weights from --load (no optimizer), `--eval-iters` validation
+    batches, one validation line at the checkpoint's iteration."""
     model_config, training = config.model, config.training
-    mcore_config = transformer_config(model_config, config.dims)
-    model = build_model(model_config, config.optimizer, training.seed, mcore_config)
-    optimizer = build_optimizer(config.optimizer, model_config, model)
-    mcore_config.finalize_model_grads_func = finalize_model_grads
-    mcore_config.no_sync_func = model.no_sync
-    if model_config.fp16:
-        mcore_config.grad_scale_func = optimizer.scale_loss
-    scheduler = build_scheduler(config.optimizer, training, optimizer)
-    return model, optimizer, scheduler
-
-
-CARRIED_COMMON_KEYS = ("hf_config",)  # common state a save keeps from the loaded checkpoint
-
-
-def carried_common_state(root: str) -> dict:
-    """What the next save keeps from the checkpoint at `root`: the Hugging Face config
-    tools/convert_hf.py stored on import (so a trained checkpoint still exports)."""
-    found = read_common_state(root)
-    if found is None:
-        return {}
-    return {key: found[2][key] for key in CARRIED_COMMON_KEYS if key in found[2]}
+    model = build_model(model_config, config.optimizer, training.seed,
+                        transformer_config(model_config, config.dims))
+    iteration = 0
+    if config.checkpoint.load:
+        iteration, _ = load_checkpoint(config.checkpoint.load, model, None, None, config)
+    _, valid_batches = _build_batches(config, tokenizer, iteration, 0)
+    logger = TrainingLogger(config, config.dims.world_size)
+    local_seq = -(-model_config.seq_length // config.dims.sp)
+    logger.log_validation(iteration, evaluate(valid_batches, model, training, local_seq))
+    logger.close()
 
 
 def pretrain(config: RunConfig) -> None:
@@ -142,6 +135,8 @@ def pretrain(config: RunConfig) -> None:
                  f"attention backend {model_config.ulysses_attention_backend}; padded vocab "
                  f"{model_config.padded_vocab_size}")
 
+    if training.skip_train:
+        return evaluate_only(config, tokenizer)
     model, optimizer, scheduler = build_model_and_optimizer(config)
     print_rank_0(f" > parameters on rank 0: {sum(p.numel() for p in model.parameters()):,}")
 

@@ -9,7 +9,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
@@ -19,7 +23,8 @@ from ..backends import te_available
 from ..layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
-from .config import ModelConfig, OptimizerConfig, TrainingConfig
+from .config import ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
+from .optimizer import build_optimizer
 
 
 def transformer_config(model: ModelConfig, dims: ParallelDims) -> TransformerConfig:
@@ -102,7 +107,14 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
         gpt.cuda(torch.cuda.current_device())
     if model.offload_activations:
         enable_activation_offload(gpt.decoder)
-    if model.bf16 or model.fp16:  # half-precision weights, fp32 logits out (as Megatron-LM)
+    return wrap_model(gpt, model, optimizer, config)
+
+
+def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig,
+               config: TransformerConfig) -> DistributedDataParallel:
+    """`gpt` as Megatron-LM's get_model wraps it: `Float16Module` for bf16/fp16 (half-precision
+    weights, fp32 logits out), megatron-core DDP with an fp32 grad buffer."""
+    if model.bf16 or model.fp16:
         gpt = Float16Module(config, gpt)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -125,3 +137,23 @@ def build_scheduler(config: OptimizerConfig, training: TrainingConfig,
         use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=config.override_opt_param_scheduler,
     )
+
+
+def build_model_and_optimizer(config: RunConfig):
+    """The model (DDP), optimizer and LR scheduler of a run whose process groups exist
+    (`loop.initialize_distributed`), wired as megatron-core's schedule needs them."""
+    mcore_config = transformer_config(config.model, config.dims)
+    model = build_model(config.model, config.optimizer, config.training.seed, mcore_config)
+    return attach_optimizer(config, mcore_config, model)
+
+
+def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
+    """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP) and, on
+    `mcore_config`, the hooks megatron-core's schedule calls (grad finalize, no_sync, fp16 loss
+    scale), as Megatron-LM's setup sets them."""
+    optimizer = build_optimizer(config.optimizer, config.model, model)
+    mcore_config.finalize_model_grads_func = finalize_model_grads
+    mcore_config.no_sync_func = model.no_sync
+    if config.model.fp16:
+        mcore_config.grad_scale_func = optimizer.scale_loss
+    return model, optimizer, build_scheduler(config.optimizer, config.training, optimizer)

@@ -10,6 +10,12 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/gpu_tests}
 mkdir -p "$OUT"
+# tests/gpu/test_hf_gpu.py needs transformers + safetensors; a machine without them (and without
+# network, as the lent H200) gets them from a folder of wheels: HF_WHEELS=/path/to/wheels.
+if [[ -n "${HF_WHEELS:-}" ]] && ! python3 -c "import transformers, safetensors" 2>/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hf_site \
+        "$HF_WHEELS"/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/hf_site
+fi
 export GPU_TEST_REPORT=$OUT/report.jsonl
 rm -f "$GPU_TEST_REPORT"
 start=$(date +%s)
