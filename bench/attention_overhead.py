@@ -4,6 +4,8 @@ Both sides share one module: `attn` (UlyssesAttention over a size-1 SP group) an
 `attn.backend_attention` (the backend it wraps), so the ratio is the wrapper's own cost. Each
 backend (TE, SDPA) runs at every length, rounds interleaved (wrapped, direct, wrapped, ...), and
 the median iteration of each side gives TFLOP/s; ratio = direct time / wrapped time (goal >= 0.99).
+The modules' TransformerConfig is the trainer's (`training/model.py`) of one layer of this shape,
+parsed from Megatron-LM flags by `harness.run_config`.
 
 It also times torch SDPA's ways of doing GQA on the same tensors: kv heads expanded before the
 call (what backends.SDPAAttention does), `enable_gqa=True`, and the expanded call pinned to one
@@ -50,7 +52,7 @@ def rel_err(got, ref):
     return ((got.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def check_te(config_fn, heads, groups, d, tol=2e-2):
+def check_te(config, tol=2e-2):
     """TEAttention (via UlyssesAttention at SP=1) vs fp32 reference: sbhd causal and packed THD
     (global cu_seqlens over [b*s]); outputs and q/k/v grads. Returns {case: max rel err}."""
     from megatron.core.packed_seq_params import PackedSeqParams
@@ -58,7 +60,8 @@ def check_te(config_fn, heads, groups, d, tol=2e-2):
     from megatron_ulysses.attention import UlyssesAttention
 
     s, b = 2048, 2
-    attn = UlyssesAttention(config_fn(heads, groups, d), layer_number=1, backend="te").cuda()
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    attn = UlyssesAttention(config, layer_number=1, backend="te").cuda()
     lengths = [[700, 1000, 348], [1, 2000, 47]]  # per sample, each sums to s
     bounds = [0]
     for sample in lengths:
@@ -167,30 +170,29 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("attention_overhead.py needs a GPU")
 
-    from megatron.core.transformer import TransformerConfig
-
     from megatron_ulysses.attention import UlyssesAttention
     from megatron_ulysses.backends import te_available
+    from megatron_ulysses.training.loop import initialize_distributed
+    from megatron_ulysses.training.model import transformer_config
 
-    harness.init_distributed(sp=1)
-
-    def config_fn(heads, groups, d):
-        return TransformerConfig(
-            num_layers=1, hidden_size=heads * d, num_attention_heads=heads,
-            num_query_groups=groups, kv_channels=d, attention_dropout=0.0, hidden_dropout=0.0,
-            bf16=True, params_dtype=torch.bfloat16,
-        )
+    seqs = [int(s) for s in args.seqs.split(",")]
+    hidden = args.heads * args.head_dim  # one layer of this shape, built as the trainer builds it
+    shape = harness.Shape(hidden=hidden, layers=1, heads=args.heads, kv_heads=args.kv_heads,
+                          ffn=4 * hidden, vocab=128)
+    run = harness.run_config(shape, max(seqs), "sdpa")
+    initialize_distributed(run)
+    config = transformer_config(run.model, run.dims)
 
     results = {"versions": harness.versions(), "args": vars(args), "rows": [], "checks": {}}
     backends = [b for b in args.backends.split(",") if b != "te" or te_available()]
     if "te" in backends:
         try:
-            results["checks"] = check_te(config_fn, args.heads, args.kv_heads, args.head_dim)
+            results["checks"] = check_te(config)
         except Exception as exc:  # keep timing SDPA even if TE is broken
             results["checks"] = {"error": harness.describe_failure(exc)}
             print(f"check TEAttention: {results['checks']['error']}", flush=True)
     heads, groups, d, b = args.heads, args.kv_heads, args.head_dim, 1
-    for s in map(int, args.seqs.split(",")):
+    for s in seqs:
         flops = attention_flops(s, b, heads, d)
         gen = torch.Generator(device="cuda").manual_seed(s)
         q, k, v = (torch.randn(s, b, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -198,7 +200,7 @@ def main():
         grad = torch.randn(s, b, heads * d, device="cuda", generator=gen, dtype=torch.bfloat16)
         grad4 = grad.view(s, b, heads, d)
         for backend in backends:
-            attn = UlyssesAttention(config_fn(heads, groups, d), 1, backend=backend).cuda()
+            attn = UlyssesAttention(config, 1, backend=backend).cuda()
             runs = {
                 "wrapped": fwd_bwd(lambda q, k, v: attn(q, k, v, None), q, k, v, grad),
                 "direct": fwd_bwd(lambda q, k, v: attn.backend_attention(q, k, v), q, k, v, grad4),
@@ -220,7 +222,7 @@ def main():
         variants = sdpa_gqa_variants(q, k, v, heads // groups)
         runs = {name: fwd_bwd(fn, q, k, v, grad4) for name, fn in variants.items()}
         if te_available():
-            te = UlyssesAttention(config_fn(heads, groups, d), 1, backend="te").cuda()
+            te = UlyssesAttention(config, 1, backend="te").cuda()
             runs["TE DotProductAttention (sbhd, GQA native)"] = fwd_bwd(
                 lambda q, k, v: te.backend_attention(q, k, v), q, k, v, grad4)
         t = {}

@@ -1,11 +1,15 @@
 """Collectives and bytes per transformer layer at SP=P, counted, next to the theory and DeepSpeed.
 
-Runs on CPU: P gloo processes (torch.multiprocessing spawn), fp32 tensors, megatron-core's GPT
-model built by `build_gpt_model(backend="sdpa")` with the Llama-3.2-1B layer shape (hidden 2048,
-32 heads, head dim 64, ffn 8192) and a small vocab. Every torch.distributed collective is wrapped
-to count calls and the bytes handed to it during the decoder's forward (hooks on
-`model.decoder`) and the whole backward; per layer = count / layers. Collectives outside the
-decoder (the loss's all-reduces over the size-1 tensor-parallel group) are listed apart.
+Runs on CPU: P gloo processes (torch.multiprocessing spawn), fp32 tensors, the trainer's model
+built as pretrain_gpt.py builds it (`harness.run_config` flags, `training/model.py`'s
+`transformer_config` and `build_model`, backend sdpa) with the Llama-3.2-1B layer shape (hidden
+2048, 32 heads, head dim 64, ffn 8192) and a small vocab, on a random batch sharded as the loader
+shards it. One forward is the schedule's `forward_step` plus its loss function, then the backward
+of that loss (no optimizer step, so no gradient reduction is counted). Every torch.distributed
+collective is wrapped to count calls and the bytes handed to it during the decoder's forward
+(hooks on the GPTModel's `decoder`) and the whole backward; per layer = count / layers.
+Collectives outside the decoder (the loss's all-reduces over the size-1 tensor-parallel group)
+are listed apart.
 
 Theory per rank per layer forward (G' = max(G, P) kv heads after replication when G < P):
     in:  one all-to-all of (s/P)*b*(H + 2G')*d elements (q, k, v fused)
@@ -27,6 +31,12 @@ import socket
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+import harness
+from megatron_ulysses import parallel_state as ps
+from megatron_ulysses.training.loop import initialize_distributed
+from megatron_ulysses.training.model import build_model, transformer_config
+from megatron_ulysses.training.schedule import forward_step
 
 COLLECTIVES = ("all_to_all_single", "all_to_all", "all_reduce", "all_gather",
                "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv",
@@ -123,43 +133,27 @@ def worker(rank, world_size, port, args, queue):
 
 def count_in_worker(rank, world_size, port, args, queue):
     os.environ.setdefault("OMP_NUM_THREADS", "2")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size)
-    import torch.nn.functional as F
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_ulysses import parallel_state as ps
-    from megatron_ulysses.layer_specs import build_gpt_model
-    from megatron_ulysses import cpu_compat
-
-    cpu_compat.install()
-    ps.initialize_model_parallel(ulysses_sp_size=world_size)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     p, s, b, d = world_size, args.seq, 1, args.hidden // args.heads
+    configs = {groups: harness.run_config(
+        harness.Shape(hidden=args.hidden, layers=args.layers, heads=args.heads, kv_heads=groups,
+                      ffn=args.ffn, vocab=args.vocab), s, "sdpa", sp=p, world_size=p)
+        for groups in map(int, args.kv_heads.split(","))}
+    initialize_distributed(next(iter(configs.values())))  # the same groups for every G
     rows = []
-    for groups in map(int, args.kv_heads.split(",")):
-        cpu_compat.model_parallel_manual_seed(0)
-        config = TransformerConfig(
-            num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads,
-            num_query_groups=groups, kv_channels=d, ffn_hidden_size=args.ffn,
-            normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
-            add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-            use_cpu_initialization=True,
-        )
-        model = build_gpt_model(config, vocab_size=args.vocab, max_sequence_length=s,
-                                backend="sdpa", position_embedding_type="rope",
-                                share_embeddings_and_output_weights=False)
-        gen = torch.Generator().manual_seed(1)
-        tokens = torch.randint(0, args.vocab, (b, s), generator=gen)
-        labels = torch.randint(0, args.vocab, (b, s), generator=gen)
-        cols = slice(rank * s // p, (rank + 1) * s // p)
-        positions = torch.arange(s)[None, cols]
+    for groups, config in configs.items():
+        model = build_model(config.model, config.optimizer, config.training.seed,
+                            transformer_config(config.model, config.dims))
+        batch = harness.random_batch(args.vocab, s, seed=1, sp_rank=rank, sp=p)
         with CollectiveCounter() as everywhere, CollectiveCounter() as fwd:
-            handles = fwd.only_inside(model.decoder)
-            loss = model(tokens[:, cols], positions, None, labels=labels[:, cols])
+            handles = fwd.only_inside(harness.unwrap(model).decoder)
+            output, loss_func = forward_step(iter([batch]), model)
+            loss_sum = loss_func(output)[0]
         for handle in handles:
             handle.remove()
         with CollectiveCounter() as bwd:
-            loss.sum().backward()
+            loss_sum.backward()
         row = {"P": p, "s": s, "b": b, "H": args.heads, "G": groups, "d": d,
                "layers": args.layers, "elem": 4,
                "fwd_calls": dict(fwd.calls), "fwd_bytes": dict(fwd.bytes),
@@ -167,15 +161,16 @@ def count_in_worker(rank, world_size, port, args, queue):
                "bwd_calls": dict(bwd.calls), "bwd_bytes": dict(bwd.bytes),
                "theory": theory(s, b, args.heads, groups, d, p, 4)}
         if groups % p == 0:
+            gen = torch.Generator().manual_seed(2)
             shard = [torch.randn(s // p, b, n, d, generator=gen) for n in (args.heads, groups,
                                                                            groups)]
             ds = deepspeed_count(*shard, ps.get_ulysses_sp_group())
             row["deepspeed_calls"], row["deepspeed_bytes"] = dict(ds.calls), dict(ds.bytes)
         rows.append(row)
+        del model, output, loss_sum
     if rank == 0:
         queue.put(("rows", rank, rows))
-    ps.destroy_model_parallel()
-    dist.destroy_process_group()
+    harness.shutdown()
 
 
 def report(rows):

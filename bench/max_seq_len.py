@@ -1,17 +1,19 @@
 """Longest sequence one GPU trains: stock megatron-core vs ours with the ALST memory features.
 
 Model: Llama-3.2-1B shape (see harness.py), bf16, micro batch 1, SP=1, one full training step per
-length: forward, per-token loss backward, megatron-core DDP grad sync (fp32 grad buffer) and
-megatron-core Adam step (fp32 master weights and moments, created before measuring).
+length through `harness.Trainer` (megatron-core's forward-backward schedule, megatron-core Adam:
+fp32 master weights and moments, created before measuring). Both sides from the same Megatron-LM
+flags (`harness.run_config`); --features picks the flags:
 
-    stock  megatron-core GPTModel, TE layer spec, full recompute (1 layer per checkpoint)
-    ours   build_gpt_model(backend=te), full recompute + TiledMLP + tiled loss + activation
-           offload (`enable_activation_offload(model.decoder)`); --features picks a subset
+    stock  megatron-core GPTModel, TE layer spec, Megatron-LM's default fusions (harness.py),
+           full recompute (1 layer per checkpoint)
+    ours   the trainer with full recompute + TiledMLP + tiled loss + --offload-activations
 
-Lengths run in increasing order on one model; the first OOM ends the sweep. For each length it
-records peak GPU memory (allocated and reserved), step seconds and the bytes offloaded to CPU,
-and rewrites --json after every length (so a run cut short still leaves its curve). --log-every
-prints the live GPU memory every N seconds from a side thread (for runs of many minutes).
+Lengths run in increasing order on one model (built for the longest); the first OOM ends the
+sweep. For each length it records peak GPU memory (allocated and reserved), step seconds and the
+peak pinned host memory (where offload keeps the layer inputs), and rewrites --json after every
+length (so a run cut short still leaves its curve). --log-every prints the live GPU memory every
+N seconds from a side thread (for runs of many minutes).
 
 Commands used (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/max_seq_len.py --model stock --seqs 65536,131072,262144 --json $OUT/stock.json
@@ -30,9 +32,10 @@ import time
 import torch
 
 import harness
-from megatron_ulysses.memory.activation_offload import OffloadStats, enable_activation_offload
+from megatron_ulysses.training.loop import initialize_distributed
 
-FEATURES = ("recompute", "tiled-mlp", "tiled-loss", "offload")
+FEATURES = {"recompute": harness.FULL_RECOMPUTE, "tiled-mlp": harness.TILED_MLP,
+            "tiled-loss": harness.TILED_LOSS, "offload": harness.OFFLOAD}
 
 
 def memory_logger(every: float, t0: float, stop: threading.Event) -> threading.Thread:
@@ -46,8 +49,17 @@ def memory_logger(every: float, t0: float, stop: threading.Event) -> threading.T
     return thread
 
 
+def pinned_host_gib() -> float:
+    """Pinned host memory in use at its peak since the last reset, GiB (torch's caching host
+    allocator, block sizes rounded up; where offload keeps the layer inputs); 0 where torch
+    does not report it."""
+    stats = getattr(torch.cuda, "host_memory_stats", None)
+    if not torch.cuda.is_available() or stats is None:
+        return 0.0
+    return stats().get("active_bytes.peak", 0) / harness.GIB
+
+
 def sweep(args):
-    harness.init_distributed(sp=1)
     shape = harness.PRESETS[args.preset]
     seqs = [int(s) for s in args.seqs.split(",")]
     features = set(args.features.split(",")) if args.features else (
@@ -55,55 +67,50 @@ def sweep(args):
     unknown = features - set(FEATURES)
     if unknown or (args.model == "stock" and features - {"recompute"}):
         raise SystemExit(f"--features: unknown or not for {args.model}: {sorted(features)}")
-    config = harness.transformer_config(shape, recompute="recompute" in features)
-    model = harness.build_model(
-        args.model, shape, config, max_seq=max(seqs), backend=args.backend,
-        tiled_mlp="tiled-mlp" in features, tiled_loss="tiled-loss" in features,
-    )
-    params, params_no_emb = harness.count_params(model)
-    stats = OffloadStats()
-    if "offload" in features:
-        enable_activation_offload(model.decoder, stats=stats)
-    trainer = harness.Trainer(model, config, optimizer=not args.no_optimizer)
+    flags = sum((FEATURES[name] for name in FEATURES if name in features), ())
+    config = harness.run_config(shape, max(seqs), args.backend, flags)
+    initialize_distributed(config)
+    trainer = harness.Trainer(args.model, config)
+    params, params_no_emb = harness.count_params(trainer.model)
     trainer.init_optimizer_state()
     harness.reset_memory()
     static_gib = torch.cuda.memory_allocated() / harness.GIB if torch.cuda.is_available() else 0
     results = {"versions": harness.versions(), "args": vars(args), "model": args.model,
-               "features": sorted(features), "params": params,
+               "features": sorted(features), "flags": list(flags), "params": params,
                "static_gib": static_gib, "rows": []}
     print(f"{args.model} {sorted(features)}: {params / 1e9:.3f} B params, model + optimizer "
           f"state {static_gib:.1f} GiB", flush=True)
     for seq in seqs:
         t0 = time.time()
-        tokens, labels, position_ids = harness.random_batch(shape, seq)
+        batch = harness.random_batch(shape.vocab, seq)
         harness.reset_memory()
-        before = (stats.offloaded_bytes, stats.offloaded_tensors)
+        reset_host_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+        if torch.cuda.is_available() and reset_host_peak is not None:
+            reset_host_peak()
         phases = {}
 
         def progress(name):
             harness.synchronize()
             phases[name] = time.time() - t0
             print(f"  s={seq}: {name} done at {phases[name]:.1f} s, peak "
-                  f"{torch.cuda.max_memory_allocated() / harness.GIB:.1f} GiB", flush=True)
+                  f"{harness.peak_memory_gib()[0]:.1f} GiB", flush=True)
 
         stop = threading.Event()
         if args.log_every and torch.cuda.is_available():
             memory_logger(args.log_every, t0, stop)
         row = {"s": seq}
         try:
-            trainer.step(tokens, labels, position_ids, progress=progress)
+            trainer.step(batch, progress=progress)
             harness.synchronize()
             seconds = time.time() - t0
             alloc, reserved = harness.peak_memory_gib()
             flops = harness.model_flops(params_no_emb, shape, seq)
             row.update(status="ok", seconds=seconds, peak_alloc_gib=alloc,
                        peak_reserved_gib=reserved, phases=phases,
-                       tflops=flops / seconds / 1e12,
-                       offloaded_gib=(stats.offloaded_bytes - before[0]) / harness.GIB,
-                       offloaded_tensors=stats.offloaded_tensors - before[1])
+                       tflops=flops / seconds / 1e12, pinned_host_gib=pinned_host_gib())
             print(f"s={seq:8d} ok   peak {alloc:6.1f} GiB allocated, {reserved:6.1f} reserved; "
-                  f"{seconds:7.1f} s/step, {row['tflops']:.0f} TFLOP/s; offloaded "
-                  f"{row['offloaded_gib']:.1f} GiB", flush=True)
+                  f"{seconds:7.1f} s/step, {row['tflops']:.0f} TFLOP/s; pinned host "
+                  f"{row['pinned_host_gib']:.1f} GiB", flush=True)
         except Exception as exc:
             row.update(status=harness.describe_failure(exc), phases=phases,
                        peak_alloc_gib=harness.peak_memory_gib()[0])
@@ -115,7 +122,7 @@ def sweep(args):
         harness.write_json(args.json, results)
         if row["status"] != "ok":
             break
-        del tokens, labels, position_ids
+        del batch
     harness.shutdown()
 
 
@@ -176,7 +183,6 @@ def main():
                              "(default: stock recompute; ours all)")
     parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
     parser.add_argument("--backend", default="te")
-    parser.add_argument("--no-optimizer", action="store_true")
     parser.add_argument("--log-every", type=float, default=0)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", nargs="+", default=None, metavar="JSON",

@@ -1,135 +1,199 @@
-"""Whole-model throughput and MFU at SP=1: megatron-core's own GPTModel with its TE layer spec
-("stock") against ours (`megatron_ulysses.layer_specs.build_gpt_model(..., backend="te")`), and
-the cost of each ALST memory feature of ours, all measured side by side in one run.
+"""Whole-model MFU at SP=1: stock megatron-core at Megatron-LM's default flags against ours (the
+trainer), side by side in one run, at s = 8K, 32K and 128K.
 
-Model: Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 kv heads, head dim 64, ffn 8192
-SwiGLU, RMSNorm, RoPE, vocab 128256, untied), bf16, micro batch 1. Every step is a full training
-step: forward, per-token loss backward, megatron-core DDP grad sync (fp32 grad buffer) and
-megatron-core Adam step (fp32 master weights, TE FusedAdam), unless --no-optimizer.
+Model (preset llama-1b): Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 kv heads, head
+dim 64, ffn 8192 SwiGLU, RMSNorm, RoPE base 500000, vocab 128256, untied), bf16, micro batch 1.
+Both sides are built by harness.py from the same Megatron-LM flags (`harness.megatron_flags`).
+One optimizer step is ceil(--tokens-per-step / s) micro batches of the same random `[1, s]` batch
+(262144 tokens: 32 x 8K, 8 x 32K, 2 x 128K, so the optimizer step is amortized) through
+megatron-core's forward-backward schedule, then megatron-core's Adam (TE FusedAdam, fp32 master
+weights) and the LR scheduler. Each variant is built fresh, runs --warmup steps, then --iters
+timed steps (CUDA events); a variant that fails (OOM) records an error row and the run goes on.
 
-Variants per length: stock; stock + full recompute; ours; ours + full recompute (1 layer per
-checkpoint); + TiledMLP; + tiled loss; + activation offload (cumulative). Ratios: ours/stock
-throughput, and each memory feature's throughput relative to ours without it ("off").
+Variants (keys for --variants / --skip; flags added to the base flags):
+    stock            megatron-core GPTModel, TE spec, `harness.stock_transformer_config`:
+                     Megatron-LM's default fusions + TE's fused cross entropy
+    stock-full       + full recompute (uniform, 1 layer per checkpoint)
+    ours             the trainer (pretrain_gpt.py's build), same flags
+    ours-tiled       + TiledMLP + tiled loss (auto tiles), no recompute
+    ours-selective   + --recompute-granularity selective (megatron-core's default module:
+                     core_attn; the trainer has no --recompute-modules)
+    ours-full        + full recompute
+    ours-full-tiled  + full recompute + TiledMLP + tiled loss + activation offload
 
-Model FLOPs = 6*(params - input embedding)*s + 6*layers*s^2*hidden (causal attention, see
-harness.py); TFLOP/s = model FLOPs / median step time; MFU against 989 TFLOP/s.
+Default --skip, so that the H200 command fits its ~9 minutes (the steps take about 7.5 minutes
+at BASELINES.md's throughputs, plus start-up and builds): at 8K the full-recompute variants (everything fits
+without, recompute only costs); at 32K ours-full-tiled; at 128K stock, ours and ours-selective
+(no recompute OOMs at 128K, BASELINES.md) and ours-full-tiled (the slowest, ~100 s;
+max_seq_len.py measures it). `--skip ""` runs everything.
 
-Command used (H200; environment in bench/RESULTS.md, "Setup"):
+MFU = model FLOPs per step (harness.model_flops x micro batches; recompute not counted) / median
+step seconds / 989 TFLOP/s. `summary`: per s, each side's best variant that fit, and ours/stock.
+The JSON is rewritten after every row (a run cut short keeps its rows and summary).
+
+Command (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/mfu.py --warmup 1 --iters 2 --json $OUT/mfu.json
-CPU smoke test of the script:
-    python bench/mfu.py --preset tiny --backend sdpa --seqs 64 --warmup 1 --iters 1
+CPU smoke test (tests/test_bench_smoke.py):
+    python3 bench/mfu.py --preset tiny --backend local --seqs 64 --tokens-per-step 128 \
+        --variants stock,ours --iters 1
 """
 
 import argparse
-
-import torch
+import math
+import time
 
 import harness
-from megatron_ulysses.memory.activation_offload import enable_activation_offload
+from megatron_ulysses.backends import resolve_backend
+from megatron_ulysses.training.loop import initialize_distributed
 
-# (build name, build kwargs, [(variant, recompute, tiled loss, offload)])
-BUILDS = [
-    ("stock", dict(kind="stock"), [
-        ("stock", False, False, False),
-        ("stock + full recompute", True, False, False),
-    ]),
-    ("ours", dict(kind="ours"), [
-        ("ours", False, False, False),
-        ("ours + full recompute", True, False, False),
-    ]),
-    ("ours, TiledMLP", dict(kind="ours", tiled_mlp=True, tiled_loss=True), [
-        ("ours + recompute + TiledMLP", True, False, False),
-        ("ours + recompute + TiledMLP + tiled loss", True, True, False),
-        ("ours + recompute + TiledMLP + tiled loss + offload", True, True, True),
-    ]),
-]
+VARIANTS = {  # key: (label, flags); a label starts with its side
+    "stock": ("stock", ()),
+    "stock-full": ("stock + full recompute", harness.FULL_RECOMPUTE),
+    "ours": ("ours", ()),
+    "ours-tiled": ("ours + TiledMLP + tiled loss", harness.TILED_MLP + harness.TILED_LOSS),
+    "ours-selective": ("ours + selective recompute", harness.SELECTIVE_RECOMPUTE),
+    "ours-full": ("ours + full recompute", harness.FULL_RECOMPUTE),
+    "ours-full-tiled": ("ours + full recompute + TiledMLP + tiled loss + offload",
+                        harness.FULL_RECOMPUTE + harness.TILED_MLP + harness.TILED_LOSS
+                        + harness.OFFLOAD),
+}
+DEFAULT_SKIP = ("8192:stock-full,8192:ours-full,8192:ours-full-tiled,32768:ours-full-tiled,"
+                "131072:stock,131072:ours,131072:ours-selective,131072:ours-full-tiled")
 
 
-def measure(trainer, shape, seq, warmup, iters):
-    """Median step seconds and peak memory (GiB allocated, reserved) at `seq`."""
-    tokens, labels, position_ids = harness.random_batch(shape, seq)
+def measure(key, seq, shape, args, batch) -> dict:
+    """Build variant `key` at `seq`, run its steps; the row's measured fields."""
+    label, flags = VARIANTS[key]
+    micro_batches = math.ceil(args.tokens_per_step / seq)
+    config = harness.run_config(shape, seq, args.backend, flags, num_microbatches=micro_batches)
+    start = time.perf_counter()
+    trainer = harness.Trainer(label.split()[0], config)
+    built = time.perf_counter() - start
+    print(f"s={seq:6d} {label}: built in {built:.1f} s; {micro_batches} x {seq} tokens per step",
+          flush=True)
+    params, params_no_emb = harness.count_params(trainer.model)
+    flops = micro_batches * harness.model_flops(params_no_emb, shape, seq)
     harness.reset_memory()
-    for _ in range(warmup):
-        trainer.step(tokens, labels, position_ids)
-    times = harness.time_calls(lambda: trainer.step(tokens, labels, position_ids), iters)
-    return harness.median(times), harness.peak_memory_gib()
+    losses, times = [], []
+    for index in range(args.warmup + args.iters):
+        [seconds] = harness.time_calls(lambda: losses.append(trainer.step(batch)), 1)
+        warm = index < args.warmup
+        if not warm:
+            times.append(seconds)
+        print(f"  {'warmup' if warm else 'step'} {index + 1}/{args.warmup + args.iters}: "
+              f"{seconds:7.2f} s, loss {losses[-1]:.4f}", flush=True)
+    seconds = harness.median(times)
+    alloc, reserved = harness.peak_memory_gib()
+    tflops = flops / seconds / 1e12
+    return {"num_microbatches": micro_batches, "tokens_per_step": micro_batches * seq,
+            "build_seconds": built, "params": params, "params_no_input_embedding": params_no_emb,
+            "loss_step0": losses[0], "seconds": seconds, "step_seconds": times,
+            "tokens_per_s": micro_batches * seq / seconds, "tflops": tflops,
+            "mfu": tflops / harness.H200_PEAK_TFLOPS, "peak_alloc_gib": alloc,
+            "peak_reserved_gib": reserved}
+
+
+def summarize(rows) -> list:
+    """Per s: each side's variant of highest MFU among those that fit, and ours/stock."""
+    summary = []
+    for seq in sorted({row["s"] for row in rows}):
+        best = {}
+        for side in ("stock", "ours"):
+            fit = [r for r in rows if r["s"] == seq and r["variant"].split()[0] == side
+                   and "mfu" in r]
+            best[side] = max(fit, key=lambda r: r["mfu"], default=None)
+        stock, ours = best["stock"], best["ours"]
+        summary.append({
+            "s": seq, "best_stock": stock and stock["variant"],
+            "best_ours": ours and ours["variant"],
+            "ratio": ours["mfu"] / stock["mfu"] if stock and ours else None,
+            "mfu_stock": stock and stock["mfu"], "mfu_ours": ours and ours["mfu"],
+        })
+    return summary
+
+
+def parse_skip(text: str) -> set:
+    skip = set()
+    for entry in filter(None, text.split(",")):
+        seq, _, key = entry.partition(":")
+        if key not in VARIANTS or not seq.isdigit():
+            raise SystemExit(f"--skip: expected SEQ:VARIANT with VARIANT one of "
+                             f"{', '.join(VARIANTS)}, got {entry!r}")
+        skip.add((int(seq), key))
+    return skip
+
+
+def print_tables(results) -> None:
+    print("\n| s | variant | tokens/s | TFLOP/s | MFU | peak GiB | step-0 loss |")
+    print("|---|---|---|---|---|---|---|")
+    for r in results["rows"]:
+        if "mfu" not in r:
+            print(f"| {r['s']} | {r['variant']} | {r['error'][:40]} | | | | |")
+            continue
+        print(f"| {r['s']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | "
+              f"{100 * r['mfu']:.1f}% | {r['peak_alloc_gib']:.1f} | {r['loss_step0']:.4f} |")
+    print("\n| s | best stock | MFU | best ours | MFU | ours / stock |")
+    print("|---|---|---|---|---|---|")
+    for e in results["summary"]:
+        def mfu(value):
+            return "" if value is None else f"{100 * value:.1f}%"
+        ratio = "" if e["ratio"] is None else f"{e['ratio']:.3f}"
+        print(f"| {e['s']} | {e['best_stock'] or 'none fit'} | {mfu(e['mfu_stock'])} | "
+              f"{e['best_ours'] or 'none fit'} | {mfu(e['mfu_ours'])} | {ratio} |")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqs", default="8192,32768")
+    parser.add_argument("--seqs", default="8192,32768,131072")
+    parser.add_argument("--tokens-per-step", type=int, default=262144,
+                        help="at least this many tokens per optimizer step (micro batches of s)")
     parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
-    parser.add_argument("--backend", default="te", help="te (stock: TE spec) or sdpa "
-                        "(stock: megatron-core local spec)")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--no-optimizer", action="store_true")
-    parser.add_argument("--only", default=None, help="comma-separated build names to run")
+    parser.add_argument("--backend", default="auto", help="ours: te, sdpa, local or auto; "
+                        "stock: TE spec for te, megatron-core's local spec otherwise")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--skip", default=DEFAULT_SKIP, help="comma-separated SEQ:VARIANT "
+                        "pairs not to run ('' runs all)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed optimizer steps")
+    parser.add_argument("--iters", type=int, default=2, help="timed optimizer steps")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-
-    harness.init_distributed(sp=1)
+    keys = args.variants.split(",")
+    unknown = [key for key in keys if key not in VARIANTS]
+    if unknown or args.iters < 1 or args.warmup < 0:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {', '.join(VARIANTS)}"
+                         if unknown else "--iters must be >= 1 and --warmup >= 0")
+    skip = parse_skip(args.skip)
+    args.backend = resolve_backend(args.backend)
     shape = harness.PRESETS[args.preset]
     seqs = [int(s) for s in args.seqs.split(",")]
-    results = {"versions": harness.versions(), "args": vars(args), "rows": [],
-               "optimizer": None if args.no_optimizer else
-               "megatron-core DDP (fp32 grads) + megatron-core Adam (fp32 master, TE FusedAdam)"}
-    for build_name, build_kwargs, variants in BUILDS:
-        if args.only and build_name not in args.only.split(","):
-            continue
-        config = harness.transformer_config(shape, recompute=True)
-        model = harness.build_model(config=config, shape=shape, max_seq=max(seqs),
-                                    backend=args.backend, **build_kwargs)
-        params, params_no_emb = harness.count_params(model)
-        results["params"], results["params_no_input_embedding"] = params, params_no_emb
-        trainer = harness.Trainer(model, config, optimizer=not args.no_optimizer)
-        trainer.init_optimizer_state()
-        for seq in seqs:
-            flops = harness.model_flops(params_no_emb, shape, seq)
-            for name, recompute, tiled_loss, offload in variants:
-                harness.set_recompute(config, recompute)
-                if hasattr(model, "tiled_loss_shards"):
-                    model.tiled_loss_shards = "auto" if tiled_loss else None
-                handles = enable_activation_offload(model.decoder) if offload else ()
-                row = {"s": seq, "variant": name}
-                try:
-                    seconds, (alloc, reserved) = measure(trainer, shape, seq, args.warmup,
-                                                         args.iters)
-                    row.update(seconds=seconds, tokens_per_s=seq / seconds,
-                               tflops=flops / seconds / 1e12,
-                               mfu=flops / seconds / 1e12 / harness.H200_PEAK_TFLOPS,
-                               peak_alloc_gib=alloc, peak_reserved_gib=reserved)
-                    print(f"s={seq:6d} {name:52s} {row['tokens_per_s']:9.0f} tok/s "
-                          f"{row['tflops']:6.1f} TFLOP/s MFU {100 * row['mfu']:5.1f}% "
-                          f"peak {alloc:6.1f} GiB", flush=True)
-                except Exception as exc:  # OOM, or a broken variant: report, go on
-                    row["error"] = harness.describe_failure(exc)
-                    print(f"s={seq:6d} {name:52s} {row['error']}", flush=True)
-                    trainer.model.zero_grad_buffer()
-                finally:
-                    for handle in handles:
-                        handle.remove()
-                results["rows"].append(row)
-                harness.write_json(args.json, results)
-        del trainer, model
+
+    initialize_distributed(harness.run_config(shape, seqs[0], args.backend))
+    results = {"versions": harness.versions(), "args": vars(args), "peak_tflops":
+               harness.H200_PEAK_TFLOPS, "rows": [], "summary": []}
+    for seq in seqs:
+        batch = harness.random_batch(shape.vocab, seq)
+        for key in keys:
+            label = VARIANTS[key][0]
+            if (seq, key) in skip:
+                print(f"s={seq:6d} {label}: skipped (--skip)", flush=True)
+                continue
+            row = {"s": seq, "variant": label, "key": key, "flags": list(VARIANTS[key][1])}
+            try:
+                row.update(measure(key, seq, shape, args, batch))
+                print(f"s={seq:6d} {label}: {row['tokens_per_s']:9.0f} tok/s "
+                      f"{row['tflops']:6.1f} TFLOP/s MFU {100 * row['mfu']:5.1f}% "
+                      f"peak {row['peak_alloc_gib']:6.1f} GiB", flush=True)
+            except Exception as exc:  # OOM, or a broken variant: report, go on
+                row["error"] = harness.describe_failure(exc)
+                print(f"s={seq:6d} {label}: {row['error']}", flush=True)
+            harness.reset_memory()
+            results["rows"].append(row)
+            results["summary"] = summarize(results["rows"])
+            harness.write_json(args.json, results)
+        del batch
         harness.reset_memory()
-
-    rows = results["rows"]
-
-    def find(seq, name):
-        return next((r for r in rows if r["s"] == seq and r["variant"] == name
-                     and "seconds" in r), None)
-
-    print("\n| s | variant | tokens/s | TFLOP/s | MFU | peak GiB | vs ours (off) |")
-    print("|---|---|---|---|---|---|---|")
-    for r in sorted(rows, key=lambda r: r["s"]):
-        if "seconds" not in r:
-            print(f"| {r['s']} | {r['variant']} | {r['error'][:40]} | | | | |")
-            continue
-        base = find(r["s"], "ours")
-        ratio = f"{base['seconds'] / r['seconds']:.3f}" if base else ""
-        print(f"| {r['s']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | "
-              f"{100 * r['mfu']:.1f}% | {r['peak_alloc_gib']:.1f} | {ratio} |")
+    print_tables(results)
     harness.shutdown()
 
 

@@ -5,8 +5,9 @@ One torchrun command, one process per GPU, NCCL. Two phases on the same processe
     SP=1   every GPU trains its own sample of `base` tokens (megatron DP = N)
     SP=N   the N GPUs train one sample of N x base tokens, base tokens per GPU (megatron DP' = N)
 
-Both phases run ours (`build_gpt_model`, backend te by default) on the Llama-3.2-1B shape with a
-full training step (megatron-core DDP grad all-reduce over N in both phases, megatron-core Adam).
+Both phases run ours (the trainer, `harness.Trainer("ours", ...)`, backend te by default) on the
+Llama-3.2-1B shape with a full training step (megatron-core's schedule, DDP grad all-reduce over N
+in both phases, megatron-core Adam).
 Per-GPU throughput = local tokens / step time of the slowest rank; per-GPU TFLOP/s = model FLOPs
 of the whole sample / N / step time (harness.py's formula). Attention work per token grows with
 s, so per-GPU tokens/s falls with N by design; TFLOP/s per GPU is the weak-scaling figure (ideal:
@@ -19,46 +20,39 @@ Commands:
 """
 
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
 
 import harness
 from megatron_ulysses import parallel_state as ps
-from megatron_ulysses.data.sharding import shard_for_sp_rank
+from megatron_ulysses.training.loop import initialize_distributed
 
 
-def run_phase(sp, seq, shape, args):
+def run_phase(sp, seq, shape, args, world_size):
     """Median step seconds of the slowest rank and peak GiB (max over ranks)."""
-    harness.init_parallel(sp)
-    config = harness.transformer_config(shape, recompute=args.recompute)
-    model = harness.build_model("ours", shape, config, max_seq=seq, backend=args.backend)
-    _, params_no_emb = harness.count_params(model)
-    trainer = harness.Trainer(model, config, optimizer=not args.no_optimizer)
-    trainer.init_optimizer_state()
-    tokens, labels, position_ids = harness.random_batch(
-        shape, seq, seed=ps.get_pure_data_parallel_rank())
-    local = shard_for_sp_rank(
-        {"tokens": tokens, "labels": labels, "position_ids": position_ids},
-        ps.get_ulysses_sp_rank(), sp,
-    )
-
-    def step():
-        trainer.step(local["tokens"], local["labels"], local["position_ids"])
-
+    config = harness.run_config(shape, seq, args.backend,
+                                harness.FULL_RECOMPUTE if args.recompute else (), sp=sp,
+                                world_size=world_size)
+    initialize_distributed(config)
+    trainer = harness.Trainer("ours", config)
+    _, params_no_emb = harness.count_params(trainer.model)
+    batch = harness.random_batch(shape.vocab, seq, seed=ps.get_pure_data_parallel_rank(),
+                                 sp_rank=ps.get_ulysses_sp_rank(), sp=sp)
     harness.reset_memory()
     for _ in range(args.warmup):
-        step()
-    times = harness.time_calls(step, args.iters)
+        trainer.step(batch)
+    times = harness.time_calls(lambda: trainer.step(batch), args.iters)
     worst = torch.tensor([harness.median(times), harness.peak_memory_gib()[0]],
                          device=harness.device())
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
     seconds, peak = worst.tolist()
-    del trainer, model
+    del trainer, batch
     harness.reset_memory()
     ps.destroy_model_parallel()
     flops = harness.model_flops(params_no_emb, shape, seq)
-    return {"sp": sp, "gpus": dist.get_world_size(), "s": seq, "s_per_gpu": seq // sp,
+    return {"sp": sp, "gpus": world_size, "s": seq, "s_per_gpu": seq // sp,
             "seconds": seconds, "tokens_per_s_per_gpu": seq / sp / seconds,
             "tflops_per_gpu": flops / sp / seconds / 1e12, "peak_alloc_gib": peak}
 
@@ -69,18 +63,16 @@ def main():
     parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
     parser.add_argument("--backend", default="te")
     parser.add_argument("--recompute", action="store_true", help="full recompute in both phases")
-    parser.add_argument("--no-optimizer", action="store_true")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
 
-    harness.init_distributed(sp=None)  # each phase makes its own groups
     shape = harness.PRESETS[args.preset]
-    n = dist.get_world_size()
-    rows = [run_phase(1, args.base_seq, shape, args)]
+    n = int(os.environ.get("WORLD_SIZE", "1"))  # the first phase starts the process group
+    rows = [run_phase(1, args.base_seq, shape, args, n)]
     if n > 1:
-        rows.append(run_phase(n, n * args.base_seq, shape, args))
+        rows.append(run_phase(n, n * args.base_seq, shape, args, n))
     if dist.get_rank() == 0:
         base = rows[0]
         print("\n| SP | GPUs | s | s per GPU | tokens/s per GPU | TFLOP/s per GPU | peak GiB | "
