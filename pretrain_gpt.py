@@ -9,7 +9,6 @@ outside the vocabulary are found when a batch is read, and end the run the same 
 
 import os
 import sys
-import time
 import traceback
 import warnings
 
@@ -18,24 +17,9 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
+from megatron_ulysses.training.cli import alone, leave, report_error, say_warnings  # noqa: E402
 
-RANK_0_GRACE_S = 30  # how long the other ranks give rank 0 to report an error and exit
-
-
-def _is_rank_0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
-
-
-def _report(error: Exception) -> int:
-    """Every rank finds the same configuration error; rank 0 says it. The others wait before
-    they exit: torchrun stops every rank as soon as one exits, which could otherwise be before
-    rank 0 has written the message; rank 0's exit ends the wait. A rank still alive after it
-    (rank 0 did not find the error) says it itself."""
-    if not _is_rank_0():
-        time.sleep(RANK_0_GRACE_S)
-    print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
-    return 2
-
+PROG = "pretrain_gpt.py"
 
 def _report_data_error(error: Exception, config) -> int:
     """A bad batch is found only by the ranks that read it (one data-parallel replica, say):
@@ -55,18 +39,16 @@ def _report_data_error(error: Exception, config) -> int:
     if first_of_replica:
         data_path = config.data.data_path
         data = f" (--data-path {' '.join(data_path)})" if data_path else ""
-        print(f"pretrain_gpt.py: error: {error}{data}", file=sys.stderr)
+        print(f"{PROG}: error: {error}{data}", file=sys.stderr)
     return 2
 
 
 def main(argv=None) -> int:
     try:
         config = parse_args(argv)
-        if _is_rank_0():
-            for warning in config.warnings:
-                print(f"pretrain_gpt.py: warning: {warning}", file=sys.stderr)
+        say_warnings(PROG, config.warnings)
     except ConfigError as error:
-        return _report(error)
+        return report_error(PROG, error)
     import torch.distributed as dist
 
     from megatron_ulysses import parallel_state as ps
@@ -76,13 +58,13 @@ def main(argv=None) -> int:
     try:
         pretrain(config)
     except ConfigError as error:  # tokenizer and data files, or a --load that does not match
-        return _leave(_report(error))
+        return leave(report_error(PROG, error))
     except DataError as error:  # a batch with token ids outside the vocabulary
-        return _leave(_report_data_error(error, config))
+        return leave(_report_data_error(error, config))
     except BaseException:
-        if not _alone():
+        if not alone():
             traceback.print_exc()
-            _leave(1)
+            leave(1)
         raise
     finally:  # reached on success, or alone (with several ranks an error left above)
         if ps.is_initialized():
@@ -90,23 +72,6 @@ def main(argv=None) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
-
-
-def _alone() -> bool:
-    import torch.distributed as dist
-
-    return not dist.is_initialized() or dist.get_world_size() == 1
-
-
-def _leave(code: int) -> int:
-    """After an error in training with several ranks, exit at once: the others may be inside a
-    collective this rank will never join, and tearing the process groups down can wait for them
-    until the timeout; torchrun stops them when this rank exits. Alone, return the code."""
-    if not _alone():
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    return code
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ non-interleaved RoPE, so q/k rows need no permutation.
 """
 
 import copy
-import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
+
+from .training.arguments import padded_vocab_size
 
 Tensor = torch.Tensor
 
@@ -282,12 +283,6 @@ def hf_config_from_model_args(args: dict, architecture: str,
 
 
 # ------------------------------------------------------------------------------------ weights
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp_size: int = 1) -> int:
-    """Megatron-LM's vocab padding: the next multiple of `divisible_by` x `tp_size`."""
-    multiple = divisible_by * tp_size
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 def _padded_vocab(args: dict, tp_size: int) -> int:

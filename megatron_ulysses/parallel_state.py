@@ -12,7 +12,6 @@ reads, so every rank of one SP group reads the same sample.
 
 import datetime
 import os
-import socket
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -112,17 +111,17 @@ def start_process_group(backend: str, timeout_minutes: int = 10) -> None:
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        # rank % GPUs as Megatron-LM: ranks sharing a GPU (gloo only) get the same one
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     else:
         cpu_compat.install()
-    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    if "RANK" not in os.environ:  # plain `python pretrain_gpt.py`: an in-process store, no port
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(port))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(minutes=timeout_minutes))
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1,
+                                timeout=timeout)
+        return
+    dist.init_process_group(backend=backend, timeout=timeout)
 
 
 _DIMS: Optional[ParallelDims] = None

@@ -91,6 +91,9 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
                            "--tiled-loss-shards", "3", "--recompute-granularity", "full",
                            "--recompute-method", "uniform", "--offload-activations"))
     assert memory == pytest.approx(full, rel=2e-6)
+    selective = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--recompute-granularity",
+                              "selective", "--recompute-modules", "core_attn", "mlp"))
+    assert selective == pytest.approx(full, rel=2e-6)
     # TP 2 x SP 2 with sequence parallelism; the same padded vocab (3 x 128) as TP 1.
     tensor_parallel = losses(launch(4, *flags, "--ulysses-sp-size", "2",
                                     "--tensor-model-parallel-size", "2", "--sequence-parallel",
@@ -215,6 +218,12 @@ BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
     (["--data-path", "x"], 1, "give --data-path or --mock-data, not both"),
     (["--ulysses-sp-size", "0"], 1, "--ulysses-sp-size must be >= 1"),
     (["--skip-train", "--eval-iters", "0"], 1, "--skip-train evaluates --eval-iters batches"),
+    (["--recompute-modules", "mlp"], 1,
+     "--recompute-modules needs --recompute-granularity selective"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mlp",
+      "--tiled-mlp-shards", "2"], 1, "drop mlp from --recompute-modules"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "layernorm"], 1,
+     "--recompute-modules layernorm needs Transformer Engine"),
     (["--ulysses-sp-size", "2", "--seq-length", "63", "--position-embedding-type",
       "learned_absolute", "--max-position-embeddings", "63"], 2,
      "--max-position-embeddings (63) must be >= --seq-length (63) padded to a multiple of "

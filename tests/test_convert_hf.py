@@ -97,11 +97,13 @@ def test_import_export_at_tp2_is_bitwise(hf_dir, tmp_path):
     _assert_same_model(hf_dir, out)
 
 
-def _train(nproc, checkpoint, *flags):
+def _train(nproc, checkpoint, *flags, data=("--mock-data",)):
+    # NullTokenizer adds its EOD after --vocab-size ids: VOCAB - 1 + 1 = the import's rows.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
                "--load", str(checkpoint), "--use-checkpoint-args", "--finetune",
-               "--mock-data", "--vocab-size", str(VOCAB), "--seq-length", "64",
+               *data,
+               "--vocab-size", str(VOCAB - 1), "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
                "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
                "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0", *flags]
@@ -124,6 +126,49 @@ def test_finetune_from_checkpoint_args_at_sp1_and_sp2(hf_dir, checkpoint, tmp_pa
         json.loads((hf_dir / "config.json").read_text())
     assert not torch.equal(_tensors(out)["model.norm.weight"],
                            _tensors(hf_dir)["model.norm.weight"])  # it did train
+
+
+def test_first_loss_of_the_imported_model_is_hf_loss(hf_dir, checkpoint, tmp_path):
+    # Two copies of one 64-token document (split 50,50,0): every sample is that document. The
+    # import pads no vocab rows (padded logits would enter the softmax), so iteration 1's loss
+    # (before any update) is HF's.
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    tokens = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(3))
+    prefix = str(tmp_path / "doc")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(2):
+        builder.add_item(tokens.to(torch.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    got = losses(_train(1, checkpoint, data=(
+        "--data-path", prefix, "--split", "50,50,0", "--tokenizer-type", "NullTokenizer",
+        "--data-cache-path", str(tmp_path / "cache"))))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        logits = model(tokens[None]).logits[0]
+    expected = torch.nn.functional.cross_entropy(logits, torch.cat([tokens[1:], tokens[:1]]))
+    assert got[1] == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_a_new_rotary_base_on_the_command_line_wins_and_exports(hf_dir, checkpoint, tmp_path):
+    # Context extension raises the RoPE base on load: the flag beats the checkpoint's value,
+    # changes the numerics and reaches the exported config.json.
+    trained = tmp_path / "trained"
+    base = losses(_train(1, checkpoint))
+    raised = losses(_train(1, checkpoint, "--rotary-base", "2000000", "--save", str(trained)))
+    assert raised[1] != pytest.approx(base[1], rel=1e-6)
+    out, tokenizer = tmp_path / "exported", tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer_config.json").write_text('{"model_max_length": 131072}')
+    result = convert("export", "--load", str(trained), "--output", str(out),
+                     "--tokenizer-dir", str(tokenizer))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "tokenizer_config.json").read_text() == '{"model_max_length": 131072}'
+    config = json.loads((out / "config.json").read_text())
+    theta = config.get("rope_theta", (config.get("rope_parameters") or {}).get("rope_theta"))
+    assert theta == 2000000
 
 
 def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path):

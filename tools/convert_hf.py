@@ -20,6 +20,7 @@ import argparse
 import glob
 import json
 import os
+import shutil
 import socket
 import sys
 import warnings
@@ -56,7 +57,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", required=True, help="checkpoint directory (as pretrain's --load)")
     p.add_argument("--output", required=True, help="directory for config.json + "
                    "model.safetensors")
+    p.add_argument("--tokenizer-dir", default=None,
+                   help="copy the Hugging Face tokenizer files found here (tokenizer.json, "
+                   "tokenizer_config.json, ...) into --output, so that the folder is complete")
     return parser
+
+
+# What --tokenizer-dir copies, where present.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 
 
 # --- input --------------------------------------------------------------------------------------
@@ -118,7 +127,7 @@ def trainer_argv(model_args: dict, tp: int) -> list:
                 "kv_channels", "max_position_embeddings", "position_embedding_type",
                 "rotary_base", "normalization", "norm_epsilon", "attention_dropout",
                 "hidden_dropout", "vocab_size", "rope_scaling_factor",
-                "rotary_seq_len_interpolation_factor"):
+                "rotary_seq_len_interpolation_factor", "make_vocab_size_divisible_by"):
         if model_args.get(key) is not None:
             argv += [flag_name(key), repr(model_args[key]) if isinstance(model_args[key], float)
                      else str(model_args[key])]
@@ -241,6 +250,10 @@ def import_hf(args) -> None:
         raise ConversionError(f"--hf-path {args.hf_path}/config.json: {error}") from None
     files = safetensors_files(args.hf_path)
     tp = args.tensor_model_parallel_size
+    # No padded vocab rows when the vocab splits over TP: their logits (0) would enter the
+    # softmax and change HF's loss (by ln(1024 / 1000) for 1000 ids padded to 1024).
+    vocab = model_args["vocab_size"]
+    model_args["make_vocab_size_divisible_by"] = vocab // tp if vocab % tp == 0 else 128
     argv = trainer_argv(model_args, tp) + ["--save", args.output]
     _parse(argv, tp)  # every rule of the trainer (heads divisible by TP, ...) before any spawn
     run_world(tp, _import_rank, argv, files, hf_config, model_args, args.output)
@@ -316,12 +329,30 @@ def export_hf(args) -> None:
         hf.hf_config_from_model_args(model_args, architecture, base_config=hf_config)
     except ValueError as error:
         raise ConversionError(f"--load {path}: {error}") from None
+    tokenizer_files = _tokenizer_files(args.tokenizer_dir)
     tp = saved["tensor_model_parallel_size"]
     argv = ["--load", args.load, "--use-checkpoint-args", "--finetune", "--vocab-size",
             str(vocab), "--tensor-model-parallel-size", str(tp)] + _RUN
     _parse(argv, tp)
     run_world(tp, _export_rank, argv, model_args, hf_config, architecture, args.output)
-    print(f"{PROG}: wrote {args.output}/config.json and model.safetensors")
+    for name in tokenizer_files:
+        shutil.copyfile(os.path.join(args.tokenizer_dir, name), os.path.join(args.output, name))
+    print(f"{PROG}: wrote {args.output}/config.json and model.safetensors"
+          + (f", copied {', '.join(tokenizer_files)}" if tokenizer_files else ""))
+
+
+def _tokenizer_files(directory):
+    """The `TOKENIZER_FILES` in --tokenizer-dir (none without it); a directory with none of
+    them is refused before anything is written."""
+    if directory is None:
+        return []
+    if not os.path.isdir(directory):
+        raise ConversionError(f"--tokenizer-dir {directory} is not a directory")
+    found = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(directory, name))]
+    if not found:
+        raise ConversionError(f"--tokenizer-dir {directory} holds no tokenizer file (none of "
+                              f"{', '.join(TOKENIZER_FILES)})")
+    return found
 
 
 def main(argv=None) -> int:

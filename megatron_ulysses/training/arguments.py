@@ -23,6 +23,10 @@ class ConfigError(ValueError):
     """A bad configuration; the message names the flag that fixes it."""
 
 
+# megatron-core's selective-recompute submodules of a dense GPT layer.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
 def _tiles(value: str):
     """`--tiled-*-shards`: a positive int or 'auto' (`tiling.check_num_tiles`)."""
     try:
@@ -174,6 +178,9 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
+                   help="with --recompute-granularity selective: the submodules to recompute "
+                   "(megatron-core's; default core_attn)")
 
     g = parser.add_argument_group("run")
     g.add_argument("--train-iters", type=int, default=None)
@@ -279,7 +286,7 @@ def _check_range(args, name: str, low=None, high=None, low_open=False, high_open
         raise ConfigError(f"{flag_name(name)} must be {interval}, got {value}")
 
 
-def _check_writable_dir(path: str, flag: str) -> None:
+def check_writable_dir(path: str, flag: str) -> None:
     """``path`` is, or can be created as, a directory this process can write: a directory is
     made and removed again in it or in its nearest existing parent (as root, permission bits say
     nothing), so nothing is left behind and a bad path fails now, not after training."""
@@ -510,6 +517,18 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     else:
         _require(args.recompute_method is None and args.recompute_num_layers is None,
                  "--recompute-method/--recompute-num-layers need --recompute-granularity full")
+    if args.recompute_modules is not None:
+        _require(args.recompute_granularity == "selective",
+                 "--recompute-modules needs --recompute-granularity selective")
+        _require(len(args.recompute_modules) > 0, "--recompute-modules needs at least one of "
+                 + ", ".join(RECOMPUTE_MODULES))
+        _require(not ("mlp" in args.recompute_modules and args.tiled_mlp_shards is not None),
+                 "--tiled-mlp-shards already recomputes the MLP tile by tile in backward: drop "
+                 "mlp from --recompute-modules")
+        _require(not ("layernorm" in args.recompute_modules and not te_available()),
+                 "--recompute-modules layernorm needs Transformer Engine (megatron-core's norm "
+                 "recompute runs through it); drop layernorm")
+        args.recompute_modules = tuple(dict.fromkeys(args.recompute_modules))
     if args.offload_activations:
         _require(args.recompute_granularity == "full",
                  "--offload-activations needs --recompute-granularity full (it offloads the "
@@ -568,7 +587,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
              "--use-checkpoint-args needs --load")
     for name in ("save", "tensorboard_dir", "data_cache_path"):  # fail now, not after training
         if getattr(args, name) is not None:
-            _check_writable_dir(getattr(args, name), flag_name(name))
+            check_writable_dir(getattr(args, name), flag_name(name))
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if cuda else "gloo"
     _require(not (args.distributed_backend == "nccl" and not cuda),
@@ -594,9 +613,11 @@ CHECKPOINT_ARGS = (
 )
 
 
-def apply_checkpoint_args(args: argparse.Namespace) -> None:
+def apply_checkpoint_args(args: argparse.Namespace, given=()) -> None:
     """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
-    for pickled code before it is read), over the command line's."""
+    for pickled code before it is read), except those in `given` (flags on the command line win,
+    as Megatron-LM's: e.g. a new --rotary-base for context extension; a shape that differs from
+    the checkpoint's is refused by the load)."""
     _require(args.load is not None, "--use-checkpoint-args needs --load")
     from .checkpointing import read_checkpoint_args  # it imports this module
 
@@ -609,7 +630,7 @@ def apply_checkpoint_args(args: argparse.Namespace) -> None:
     _require(not missing, f"--use-checkpoint-args: the checkpoint at --load {args.load} holds "
              f"no {', '.join(missing)}; give them on the command line")
     for name in CHECKPOINT_ARGS:
-        if name in saved:
+        if name in saved and flag_name(name) not in given:
             setattr(args, name, saved[name])
     if "num_query_groups" in saved:
         args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
@@ -627,7 +648,8 @@ def parse_args(argv=None, world_size: int = None) -> RunConfig:
     raw = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(model_flags_required="--use-checkpoint-args" not in raw).parse_args(raw)
     if args.use_checkpoint_args:
-        apply_checkpoint_args(args)
+        apply_checkpoint_args(args, given={word.split("=")[0] for word in raw
+                                           if word.startswith("--")})
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return validate_args(args, world_size, torch.cuda.is_available())

@@ -55,6 +55,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from .arguments import ConfigError, flag_name
@@ -293,6 +295,22 @@ def check_checkpoint_files(path: str) -> None:
             elif name.endswith(".pt"):
                 with open(file, "rb") as f:
                     _checked(path, file, _check_torch_payload, f.read())
+
+
+# What a checkpoint may lack: TE attention's `_extra_state` (FP8 metadata; none without FP8), absent
+# from checkpoints of the sdpa / local backends, e.g. tools/convert_hf.py's on a CPU node.
+_OPTIONAL_KEYS = re.compile(r".*core_attention\.backend_attention\.(.+\.)?_extra_state(/.*)?")
+
+
+def _check_missing(path: str, keys) -> None:
+    """Keys this run's model and optimizer have and the checkpoint lacks: one `ConfigError`
+    unless all are `_OPTIONAL_KEYS`."""
+    missing = sorted(key for key in keys if not _OPTIONAL_KEYS.fullmatch(key))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                          else "")
+        raise ConfigError(f"--load {path} lacks {len(missing)} entries this model has ({shown}): "
+                          "it was saved by another model or layer spec")
 
 
 def _check_extra_states(path: str, state, prefix: str = "") -> None:
@@ -644,9 +662,13 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
     with _quiet_torch_checkpoint():
-        loaded = dist_checkpointing.load(state, path)
+        # megatron-core's "unexpected": asked for, not in the checkpoint
+        loaded, _, missing = dist_checkpointing.load(state, path,
+                                                     strict=StrictHandling.RETURN_ALL)
+    _check_missing(path, missing)
     _check_extra_states(path, loaded["model"])
-    model.module.load_state_dict(loaded["model"])
+    gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
+    _check_missing(path, gpt.load_state_dict(loaded["model"], strict=False).missing_keys)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
         try:

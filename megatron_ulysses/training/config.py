@@ -55,6 +55,7 @@ class ModelConfig:
     recompute_granularity: Optional[str]
     recompute_method: Optional[str]
     recompute_num_layers: Optional[int]
+    recompute_modules: Optional[Tuple[str, ...]]
     no_rope_fusion: bool
     no_gradient_accumulation_fusion: bool
     no_bias_swiglu_fusion: bool

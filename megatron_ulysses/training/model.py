@@ -65,6 +65,7 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
+        recompute_modules=list(model.recompute_modules or ("core_attn",)),
         # Megatron-LM's default fusions, on GPU: SwiGLU with or without bias, GeLU with bias.
         bias_activation_fusion=cuda and (not model.no_bias_swiglu_fusion if model.swiglu else
                                          not model.no_bias_gelu_fusion

@@ -1,7 +1,8 @@
 """A Hugging Face model's way through the product on the GPU, as a context-extension user runs it:
 `tools/convert_hf.py import` on a CPU node (no CUDA: megatron-core's local layer spec), then on
 the GPU with Transformer Engine's spec: export, `pretrain_gpt.py --use-checkpoint-args
---finetune` (bf16 and fp32), `--skip-train`, and the export of the trained checkpoint.
+--finetune` (bf16 and fp32), `--skip-train`, the export of the trained checkpoint, and
+`tools/eval_passkey.py` at SP 1 (NCCL) and SP 2 (two processes on the GPU, gloo).
 
 The model: a tiny random Llama with GQA and llama3 RoPE scaling. The data: two copies of one
 document of exactly `--seq-length` tokens (split 50,50,0: one per split), so that every
@@ -9,7 +10,8 @@ sample, train or validation, is that document and Hugging Face's loss on it is t
 - the CPU import exports bitwise equal from the GPU (TE spec names of the local spec's weights);
 - iteration 1's loss (before any update) equals HF's on the GPU: fp32 within 1e-4, bf16 1e-2;
 - `--skip-train` on the trained checkpoint logs the trained run's last validation loss exactly
-  (deterministic mode), and HF's loss of the export of that checkpoint is the same within 1e-2.
+  (deterministic mode), and HF's loss of the export of that checkpoint is the same within 1e-2;
+- the passkey tool's answers (fp32) at SP 2 equal SP 1's, and HF's teacher-forced argmax.
 """
 
 import json
@@ -20,11 +22,15 @@ import sys
 import pytest
 import torch
 
+from conftest import TINY_VOCAB
 from test_trainer import ITERATION, REPO, VALIDATION, report
 
 import transformers  # noqa: E402 (the lent H200 has none: run.sh installs $HF_WHEELS)
 
-VOCAB, SEQ = 200, 512  # 200 + NullTokenizer's EOD pads to the import's 256 rows, not more
+# The sentencepiece tokenizer's vocabulary (conftest, for the passkey prompts); the import keeps
+# exactly these rows (no padding: padded logits would change HF's loss), and NullTokenizer's
+# `--vocab-size VOCAB - 1` plus its EOD makes the same count.
+VOCAB, SEQ = TINY_VOCAB, 512
 TOOL = str(REPO / "tools" / "convert_hf.py")
 
 
@@ -46,7 +52,7 @@ def hf_dir(tmp_path_factory):
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=500000.0,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        tie_word_embeddings=False, max_position_embeddings=4096)
+        tie_word_embeddings=False, max_position_embeddings=16384)
     config.architectures = ["LlamaForCausalLM"]
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
@@ -111,7 +117,7 @@ def _train(imported, document, workdir, *flags):
     prefix, _ = document
     return _run([sys.executable, str(REPO / "pretrain_gpt.py"), "--load", str(imported),
                  "--use-checkpoint-args", "--data-path", prefix, "--split", "50,50,0",
-                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB),
+                 "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
                  "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",
                  "--attention-dropout", "0", "--hidden-dropout", "0",
                  "--ulysses-attention-backend", "te", "--deterministic-mode",
@@ -158,3 +164,36 @@ def test_skip_train_and_export_of_the_trained_checkpoint(document, trained, tmp_
     report("hf_loss_of_trained_export", ours=skip[3], hf=hf_loss,
            rel=abs(skip[3] - hf_loss) / hf_loss)
     assert hf_loss == pytest.approx(skip[3], rel=1e-2)
+
+
+def _passkey(imported, sp_model, out, nproc, *flags):
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc-per-node={nproc}"]
+    _run([*launcher, str(REPO / "tools" / "eval_passkey.py"), "--load", str(imported),
+          "--use-checkpoint-args", "--tokenizer-type", "GPTSentencePieceTokenizer",
+          "--tokenizer-model", sp_model, "--lengths", "256,1024", "--depths", "0,0.5,1",
+          "--trials", "2", "--output-dir", str(out), "--ulysses-attention-backend", "te", *flags])
+    return json.loads((out / "passkey.json").read_text())
+
+
+def test_passkey_at_sp2_on_the_gpu_is_sp1_and_hf_argmax(hf_dir, imported, sp_model, tmp_path):
+    import eval_passkey
+    from megatron_ulysses.data.tokenizers import build_tokenizer
+
+    sp1 = _passkey(imported, sp_model, tmp_path / "sp1", 1)
+    sp2 = _passkey(imported, sp_model, tmp_path / "sp2", 2, "--ulysses-sp-size", "2",
+                   "--distributed-backend", "gloo")
+    assert (tmp_path / "sp2" / "passkey.png").exists()
+    assert len(sp1["records"]) == 12 and sp2["records"] == sp1["records"]
+    builder = eval_passkey.PromptBuilder(build_tokenizer("GPTSentencePieceTokenizer", sp_model))
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda()
+    agree = 0
+    for record in sp1["records"]:
+        prompt = builder.build(record["length"], record["depth"], record["key"])
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt.tokens]).cuda()).logits[0]
+        n = len(prompt.answer)
+        argmax = logits[record["length"] - n - 1:record["length"] - 1].argmax(-1).tolist()
+        agree += record["predicted_tokens"] == argmax
+    report("passkey_gpu", records=len(sp1["records"]), agree_with_hf=agree)
+    assert agree == len(sp1["records"])

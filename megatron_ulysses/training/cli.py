@@ -1,0 +1,47 @@
+"""What pretrain_gpt.py and the tools that run under torchrun share at their edges: one message
+per configuration error, said by rank 0, and a prompt exit after an error with several ranks."""
+
+import os
+import sys
+import time
+
+RANK_0_GRACE_S = 30  # how long the other ranks give rank 0 to report an error and exit
+
+
+def is_rank_0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
+def say_warnings(prog: str, warnings) -> None:
+    """The run config's warnings, once, by rank 0."""
+    if is_rank_0():
+        for warning in warnings:
+            print(f"{prog}: warning: {warning}", file=sys.stderr)
+
+
+def report_error(prog: str, error: Exception) -> int:
+    """Every rank finds the same configuration error; rank 0 says it. The others wait before
+    they exit: torchrun stops every rank as soon as one exits, which could otherwise be before
+    rank 0 has written the message; rank 0's exit ends the wait. A rank still alive after it
+    (rank 0 did not find the error) says it itself. Returns the exit status, 2."""
+    if not is_rank_0():
+        time.sleep(RANK_0_GRACE_S)
+    print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
+def alone() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
+def leave(code: int) -> int:
+    """After an error with several ranks, exit at once: the others may be inside a collective
+    this rank will never join, and tearing the process groups down can wait for them until the
+    timeout; torchrun stops them when this rank exits. Alone, return the code."""
+    if not alone():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
