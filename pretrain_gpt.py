@@ -7,9 +7,7 @@ exits with status 2 and one message naming the flag, before any process group ex
 outside the vocabulary are found when a batch is read, and end the run the same way).
 """
 
-import os
 import sys
-import traceback
 import warnings
 
 # megatron-core announces its fallbacks on import; without apex (and on CPU without TE) they are
@@ -17,7 +15,11 @@ import warnings
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).* not installed.*")
 
 from megatron_ulysses.training.arguments import ConfigError, parse_args  # noqa: E402
-from megatron_ulysses.training.cli import alone, leave, report_error, say_warnings  # noqa: E402
+from megatron_ulysses.training.cli import (  # noqa: E402
+    report_error,
+    run_distributed,
+    say_warnings,
+)
 
 PROG = "pretrain_gpt.py"
 
@@ -49,29 +51,12 @@ def main(argv=None) -> int:
         say_warnings(PROG, config.warnings)
     except ConfigError as error:
         return report_error(PROG, error)
-    import torch.distributed as dist
-
-    from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.data.datasets import DataError
     from megatron_ulysses.training.loop import pretrain
 
-    try:
-        pretrain(config)
-    except ConfigError as error:  # tokenizer and data files, or a --load that does not match
-        return leave(report_error(PROG, error))
-    except DataError as error:  # a batch with token ids outside the vocabulary
-        return leave(_report_data_error(error, config))
-    except BaseException:
-        if not alone():
-            traceback.print_exc()
-            leave(1)
-        raise
-    finally:  # reached on success, or alone (with several ranks an error left above)
-        if ps.is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    # DataError: a batch with token ids outside the vocabulary
+    return run_distributed(PROG, lambda: pretrain(config),
+                           {DataError: lambda error: _report_data_error(error, config)})
 
 
 if __name__ == "__main__":

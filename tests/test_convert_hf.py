@@ -32,10 +32,11 @@ def convert(*flags):
                           text=True, timeout=300)
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
+def save_random_llama(path, vocab: int):
+    """A tiny random Llama with GQA (fp32, untied), weights spread wider than HF's init so that
+    logits differ visibly, saved with `save_pretrained` to `path`."""
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=256)
     config.architectures = ["LlamaForCausalLM"]
@@ -45,9 +46,13 @@ def hf_dir(tmp_path_factory):
         for name, param in model.named_parameters():
             noise = torch.randn_like(param)
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    path = tmp_path_factory.mktemp("hf") / "llama"
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    return save_random_llama(tmp_path_factory.mktemp("hf") / "llama", VOCAB)
 
 
 @pytest.fixture(scope="module")

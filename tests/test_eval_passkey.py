@@ -22,7 +22,7 @@ import pytest
 import torch
 from conftest import REPO_ROOT, TINY_VOCAB
 from distributed import spawn
-from test_convert_hf import convert
+from test_convert_hf import checkpoint, save_random_llama  # noqa: F401 (a fixture: this hf_dir's)
 
 import eval_passkey
 from megatron_ulysses.training.arguments import ConfigError
@@ -34,31 +34,8 @@ ROW = re.compile(r"^\| (\d+) \|((?: [0-9.]+ \|)+)$", re.MULTILINE)
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    """A random Llama over the tokenizer's vocabulary (as test_convert_hf's, vocab 1000)."""
-    import transformers  # here: the TP workers import this module, and need not wait for it
-
-    config = transformers.LlamaConfig(
-        vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-        tie_word_embeddings=False, max_position_embeddings=256)
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    path = tmp_path_factory.mktemp("hf") / "llama"
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
-def checkpoint(hf_dir, tmp_path_factory):
-    path = tmp_path_factory.mktemp("ckpt") / "imported"
-    result = convert("import", "--hf-path", str(hf_dir), "--output", str(path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return path
+    """A random Llama over the tokenizer's vocabulary (test_convert_hf's, vocab 1000)."""
+    return save_random_llama(tmp_path_factory.mktemp("hf") / "llama", TINY_VOCAB)
 
 
 def _flags(checkpoint, sp_model, out, *flags):

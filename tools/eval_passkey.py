@@ -62,7 +62,11 @@ import torch  # noqa: E402
 
 from megatron_ulysses.training import arguments  # noqa: E402
 from megatron_ulysses.training.arguments import ConfigError  # noqa: E402
-from megatron_ulysses.training.cli import alone, leave, report_error, say_warnings  # noqa: E402
+from megatron_ulysses.training.cli import (  # noqa: E402
+    report_error,
+    run_distributed,
+    say_warnings,
+)
 
 PROG = "eval_passkey.py"
 
@@ -595,27 +599,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         say_warnings(PROG, plan.config.warnings)
     except ConfigError as error:
         return report_error(PROG, error)
-    import torch.distributed as dist
-
-    from megatron_ulysses import parallel_state as ps
-
-    try:
-        run(plan)
-    except ConfigError as error:  # a --load that does not match the flags
-        return leave(report_error(PROG, error))
-    except BaseException:
-        if not alone():
-            import traceback
-
-            traceback.print_exc()
-            leave(1)
-        raise
-    finally:
-        if ps.is_initialized():
-            ps.destroy_model_parallel()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_distributed(PROG, lambda: run(plan))
 
 
 if __name__ == "__main__":

@@ -45,3 +45,34 @@ def leave(code: int) -> int:
         sys.stderr.flush()
         os._exit(code)
     return code
+
+
+def run_distributed(prog: str, body, reporters=None) -> int:
+    """Run `body()` (it starts the process groups) and tear the groups down after it. A
+    `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
+    maps other exception types to a function that reports one and returns the exit status.
+    With several ranks any error exits at once (`leave`)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from .. import parallel_state as ps
+    from .arguments import ConfigError
+
+    reporters = {ConfigError: lambda error: report_error(prog, error), **(reporters or {})}
+    try:
+        body()
+    except tuple(reporters) as error:
+        return leave(next(report for kind, report in reporters.items()
+                          if isinstance(error, kind))(error))
+    except BaseException:
+        if not alone():
+            traceback.print_exc()
+            leave(1)
+        raise
+    finally:  # reached on success, or alone (with several ranks an error left above)
+        if ps.is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
