@@ -1,5 +1,6 @@
-"""bench/mfu.py end to end on CPU: the tiny preset at one short sequence, stock megatron-core and
-ours side by side, two micro batches per optimizer step."""
+"""The whole-model benchmarks end to end on CPU at the tiny preset and one short sequence:
+bench/mfu.py (stock megatron-core and ours side by side, two micro batches per optimizer step)
+and bench/profile_step.py (the time breakdown of one step of ours)."""
 
 import json
 import math
@@ -10,6 +11,8 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("stock", "ours", "ours-full-tiled")
+CATEGORIES = {"communication", "norm", "attention", "optimizer", "loss", "gemm", "rope", "memcpy",
+              "elementwise", "other"}
 
 
 def test_mfu_rows_summary_and_step0_loss(tmp_path):
@@ -38,3 +41,24 @@ def test_mfu_rows_summary_and_step0_loss(tmp_path):
     assert summary["s"] == 64 and summary["best_stock"] == "stock"
     assert summary["best_ours"] in {rows["ours"]["variant"], rows["ours-full-tiled"]["variant"]}
     assert summary["ratio"] == summary["mfu_ours"] / summary["mfu_stock"] > 0
+
+
+def test_profile_step_categories_add_up(tmp_path):
+    out = tmp_path / "profile.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "profile_step.py"), "--preset", "tiny",
+         "--backend", "local", "--seq", "64", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    results = json.loads(out.read_text())
+    categories = {row["category"]: row for row in results["categories"]}
+    assert set(categories) == CATEGORIES and len(results["categories"]) == len(CATEGORIES)
+    assert math.isclose(sum(row["ms"] for row in categories.values()),
+                        results["total_kernel_ms"], rel_tol=1e-6)
+    assert math.isclose(sum(row["share"] for row in categories.values()), 1.0, rel_tol=1e-6)
+    assert categories["gemm"]["ms"] > 0  # the tiny model's matmuls
+    assert results["seq"] == 64 and results["step_seconds"] > 0
+    assert results["top_kernels"] and all(k["category"] in CATEGORIES
+                                          for k in results["top_kernels"])
+    assert all(k["category"] == "other" for k in results["other_top"])
