@@ -434,7 +434,8 @@ class Profile:
     rope_fused: bool     # TE's fused RoPE (saves the shared frequencies only)
     swiglu_fused: bool   # megatron-core's bias_swiglu (saves the fc1 output only)
     cross_entropy: str   # "te" (fused, grad in place in the logits) or "unfused"
-    verified: bool       # checked exactly on CPU by tests/test_memory_model.py
+    verified: bool       # terms checked: on CPU by tests/test_memory_model.py (local, sdpa),
+                         # te on the H200 (bench/results/memory_model.json, 2026-12-04)
 
     @classmethod
     def of(cls, config, gpt) -> "Profile":
@@ -448,7 +449,7 @@ class Profile:
                    norm=norm, rope_fused=bool(mcore.apply_rope_fusion),
                    swiglu_fused=bool(mcore.bias_activation_fusion),
                    cross_entropy="te" if fused_ce else "unfused",
-                   verified=not cuda and backend in ("local", "sdpa"))
+                   verified=(backend == "te") == cuda)
 
 
 @dataclass(frozen=True)
@@ -504,6 +505,9 @@ def layer_terms(shape, s: int, p: Profile) -> list:
     else:  # flash / fused: q, k (rotated copies), v, output and the softmax statistics
         terms += [Term(L, A, "q (rotated)", "H·d·e", H * d * e),
                   Term(L, A, "k (rotated)", "G·d·e", G * d * e),
+                  # sdpa: v is a view and keeps the whole qkv GEMM output alive; TE's fused
+                  # attention saves its own contiguous v (measured on the H200, 2026-12-04).
+                  Term(L, A, "v (own copy)", "G·d·e", G * d * e) if p.attention == "te" else
                   Term(L, A, "v: a view, keeps the whole qkv GEMM output", "(H+2G)·d·e",
                        (H + 2 * G) * d * e),
                   Term(L, A, "output", "H·d·e", H * d * e),
