@@ -20,7 +20,7 @@ from . import parallel_state as ps
 from .attention import UlyssesAttention
 from .backends import resolve_backend
 from .memory.tiled_loss import TiledLossGPTModelMixin
-from .memory.tiled_mlp import tiled_mlp_layer_spec
+from .memory.tiled_mlp import mark_recompute_chunk_ends, tiled_mlp_layer_spec
 from .rope import ShardedRotaryEmbedding
 
 
@@ -93,7 +93,7 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: 
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm
         )
-    return UlyssesGPTModel(
+    model = UlyssesGPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=vocab_size,
@@ -102,3 +102,6 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: 
         post_process=post_process,
         **gpt_kwargs,
     )
+    if tiled_mlp_shards is not None:
+        mark_recompute_chunk_ends(model.decoder)
+    return model

@@ -106,6 +106,9 @@ PARSE = [
              "--recompute-num-layers", "0"], ["--recompute-num-layers must be positive"]),
     (BASE + ["--recompute-granularity", "full", "--recompute-method", "block",
              "--recompute-num-layers", "3"], ["--recompute-num-layers (3) must be in [1,", "2]"]),
+    (BASE + ["--num-layers", "3", "--recompute-granularity", "full", "--recompute-method",
+             "uniform", "--recompute-num-layers", "2"],
+     ["--recompute-method uniform", "--recompute-num-layers (2) to divide", "stage (3)"]),
     # output directories that cannot be written: found now, not after training
     (BASE + ["--save", "{file}/ckpt"], ["--save", "is under the file", "not a directory"]),
     (BASE + ["--save", "{file}"], ["--save", "is a file, not a directory"]),

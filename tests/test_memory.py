@@ -29,7 +29,12 @@ from megatron_ulysses.memory.tiled_loss import (
     resolve_loss_tiles,
     tiled_cross_entropy,
 )
-from megatron_ulysses.memory.tiled_mlp import TiledMLP, resolve_mlp_tiles, tiled_mlp_layer_spec
+from megatron_ulysses.memory.tiled_mlp import (
+    TiledMLP,
+    mark_recompute_chunk_ends,
+    resolve_mlp_tiles,
+    tiled_mlp_layer_spec,
+)
 
 S, B, H, V = 20, 2, 16, 64
 
@@ -215,6 +220,57 @@ def test_tiled_mlp_layer_spec_in_gpt_model(swiglu):
     _assert_same_loss_and_grads(
         _loss_and_grads(plain, batch, weights), _loss_and_grads(tiled, batch, weights)
     )
+
+
+def _count_fc1_calls(model):
+    calls = [0] * len(model.decoder.layers)
+    for index, layer in enumerate(model.decoder.layers):
+        layer.mlp.linear_fc1.register_forward_hook(
+            lambda *_, index=index: calls.__setitem__(index, calls[index] + 1))
+    return calls
+
+
+def _seeded_loss_and_grads(model, batch, weights, seed):
+    torch.manual_seed(seed)  # hidden dropout draws from the default generator
+    cpu_compat.model_parallel_manual_seed(seed)
+    return _loss_and_grads(model, batch, weights)
+
+
+# (method, --recompute-num-layers, layers whose recompute reads the MLP's output): in a
+# uniform chunk of layers the next layer reads it, so those MLPs must really run.
+RECOMPUTE_CHUNKS = [("uniform", 1, []), ("uniform", 3, [0, 1]), ("block", 2, [])]
+
+
+@pytest.mark.parametrize("method, chunk, read", RECOMPUTE_CHUNKS,
+                         ids=[f"{m}{c}" for m, c, _ in RECOMPUTE_CHUNKS])
+def test_tiled_mlp_under_full_recompute_runs_its_tiles_twice(method, chunk, read):
+    """Full recompute with dropout: TiledMLP gives plain MLP's loss and grads, and where the
+    layer's output ends a checkpointed chunk the recompute runs no tile (2 passes of 3 tiles,
+    not 3); the block method's unrecomputed third layer runs 2 passes anyway."""
+    config = _config(True, num_layers=3, hidden_dropout=0.3, recompute_granularity="full",
+                     recompute_method=method, recompute_num_layers=chunk)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    plain, tiled = _gpt(config, layer_spec=spec), _gpt(config, layer_spec=tiled_mlp_layer_spec(spec, 3))
+    mark_recompute_chunk_ends(tiled.decoder)
+    assert [layer.mlp.skip_in_recompute for layer in tiled.decoder.layers] == [
+        index not in read for index in range(3)]
+    calls = _count_fc1_calls(tiled)
+    batch, weights = _batch(), _loss_weights()
+    ref = _seeded_loss_and_grads(plain, batch, weights, seed=5)
+    got = _seeded_loss_and_grads(tiled, batch, weights, seed=5)
+    _assert_same_loss_and_grads(ref, got)
+    assert calls == [3 * (3 if index in read else 2) for index in range(3)]
+    # the dropout is live: another seed draws other masks
+    other = _seeded_loss_and_grads(plain, batch, weights, seed=6)
+    assert not torch.allclose(other[0], ref[0])
+
+
+def test_tiled_mlp_without_recompute_never_skips():
+    config = _config(num_layers=3)
+    tiled = _gpt(config, layer_spec=tiled_mlp_layer_spec(
+        get_gpt_layer_local_spec(normalization="RMSNorm"), 3))
+    mark_recompute_chunk_ends(tiled.decoder)
+    assert not any(layer.mlp.skip_in_recompute for layer in tiled.decoder.layers)
 
 
 # ---------------------------------------------------------------- tiled loss

@@ -5,7 +5,9 @@ Glossary: ``s`` sequence, ``b`` micro batch, ``h`` hidden, ``ffn`` MLP width.
 The ``[s, b, ffn]`` intermediate (4x-8x the size of ``[s, b, h]``) is never
 materialised whole: forward runs tile by tile without keeping activations, and
 backward recomputes one tile at a time (see ``tiling.py``). Outputs and
-gradients equal plain ``MLP``'s.
+gradients equal plain ``MLP``'s. Under full recompute, where the MLP ends a
+checkpointed chunk of layers (``mark_recompute_chunk_ends``), the recompute runs
+no tile: the MLP forward runs twice per step, as without recompute, not three times.
 """
 
 import dataclasses
@@ -61,6 +63,9 @@ class TiledMLP(MLP):
         super().__init__(config=config, submodules=submodules, tp_group=tp_group, **mlp_kwargs)
         resolve_mlp_tiles(num_tiles, 1, 1)  # fail at build time on a bad flag value
         self.num_tiles = num_tiles
+        # True where the layer's output ends a full-recompute chunk (set by
+        # `mark_recompute_chunk_ends`): the recompute only differentiates this output.
+        self.skip_in_recompute = False
         if config.fp8 or getattr(config, "fp4", None):
             raise ValueError("--tiled-mlp-shards does not support --fp8 / --fp4")
         tp_size = self.tp_group.size() if self.tp_group is not None else 1
@@ -82,12 +87,29 @@ class TiledMLP(MLP):
             hidden_states,
             num_tiles,
             params=[p for p in self.parameters() if p.requires_grad],
+            skip_in_recompute=self.skip_in_recompute,
         )
         # MLP builds fc2 with skip_bias_add=True, so MLP.forward returns fc2's
         # bias parameter itself; return it outside the tiled function so the
         # layer's bias-dropout-add backprops into it as usual.
         output_bias = self.linear_fc2.bias if self.config.add_bias_linear else None
         return output, output_bias
+
+
+def mark_recompute_chunk_ends(block) -> None:
+    """Let each ``TiledMLP`` of a ``TransformerBlock`` skip its tiles in the full recompute
+    where its layer's output ends a checkpointed chunk, as megatron-core's block chunks its
+    layers: ``--recompute-method block`` checkpoints layers one by one, ``uniform`` in chunks of
+    ``--recompute-num-layers``. Inside a chunk the next layer reads the recomputed output."""
+    config = block.config
+    num_layers = len(block.layers)
+    for index, layer in enumerate(block.layers):
+        if isinstance(layer.mlp, TiledMLP):
+            layer.mlp.skip_in_recompute = config.recompute_granularity == "full" and (
+                config.recompute_method == "block"
+                or (index + 1) % config.recompute_num_layers == 0
+                or index == num_layers - 1
+            )
 
 
 def _dense_mlp_submodules(mlp_spec):

@@ -13,6 +13,12 @@ DDP with ``overlap_grad_reduce`` learns each parameter's hook count per step
 from the first batch, so the tile count must stay the same across steps
 (true for a fixed sequence length, "auto" included).
 
+Under activation recompute the forward runs a second time, inside the backward pass, only so
+that backward can differentiate it. A caller whose output is then differentiated but never read
+(the last sublayer of a checkpointed chunk: TiledMLP under full recompute) passes
+``skip_in_recompute``: that second forward runs no tile and returns zeros, and backward
+recomputes the tiles from ``x`` as always, so ``fn`` runs twice per step, not three times.
+
 One noun: the flags `--tiled-mlp-shards N` / `--tiled-loss-shards N` (ALST's name) set the
 number of tiles N, a positive int or "auto".
 """
@@ -47,7 +53,7 @@ def tile_slices(seq_len: int, num_tiles: int) -> List[slice]:
 
 class _SequenceTiledRecompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, slices, out_dim, x, grad_anchor):
+    def forward(ctx, fn, slices, out_dim, skip_in_recompute, x, grad_anchor):
         # `grad_anchor` only makes autograd call backward when parameters need
         # grads but `x` does not. Parameters are deliberately not inputs here:
         # returning None for them would still run their AccumulateGrad node and
@@ -55,6 +61,10 @@ class _SequenceTiledRecompute(torch.autograd.Function):
         del grad_anchor
         ctx.fn, ctx.slices, ctx.out_dim = fn, slices, out_dim
         ctx.save_for_backward(x)
+        if skip_in_recompute and torch._C._current_graph_task_id() != -1:
+            # A forward inside a backward pass is a checkpoint's recompute (see the module
+            # docstring): the caller differentiates this output and never reads it.
+            return torch.zeros_like(x)
         out = None
         with torch.no_grad():
             for tile in slices:
@@ -71,7 +81,7 @@ class _SequenceTiledRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[4] else None
         for tile in ctx.slices:
             x_tile = x[tile].detach().requires_grad_(grad_x is not None)
             with torch.enable_grad():
@@ -80,7 +90,7 @@ class _SequenceTiledRecompute(torch.autograd.Function):
             torch.autograd.backward(y, grad_y)
             if grad_x is not None:
                 grad_x[tile] = x_tile.grad
-        return None, None, None, grad_x, None
+        return None, None, None, None, grad_x, None
 
 
 def sequence_tiled_recompute(
@@ -89,6 +99,7 @@ def sequence_tiled_recompute(
     num_tiles: int,
     params: Iterable[torch.Tensor],
     out_dim: int = 0,
+    skip_in_recompute: bool = False,
 ) -> torch.Tensor:
     """Apply ``fn`` to sequence tiles of ``x`` ``[s, ...]``, recomputing in backward.
 
@@ -98,10 +109,13 @@ def sequence_tiled_recompute(
     must be token-wise and deterministic (no dropout): it runs again in
     backward. ``params`` are the leaf tensors ``fn`` closes over (module
     parameters); they must be leaves, since each tile backprops into them.
+    ``skip_in_recompute``: ``fn`` keeps ``x``'s shape and dtype, and where this runs inside a
+    backward pass (an activation checkpoint's recompute) the caller only differentiates the
+    output: it is then zeros, and no tile runs until backward.
     """
     if num_tiles < 1:
         raise ValueError(f"num_tiles must be >= 1, got {num_tiles}")
     slices = tile_slices(x.shape[0], num_tiles)
     needs_anchor = not x.requires_grad and any(p.requires_grad for p in params)
     grad_anchor = torch.empty(0, device=x.device, requires_grad=needs_anchor)
-    return _SequenceTiledRecompute.apply(fn, slices, out_dim, x, grad_anchor)
+    return _SequenceTiledRecompute.apply(fn, slices, out_dim, skip_in_recompute, x, grad_anchor)

@@ -514,6 +514,12 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
                  f"--recompute-num-layers ({args.recompute_num_layers}) must be in [1, layers "
                  f"per pipeline stage = --num-layers {args.num_layers} / "
                  f"--pipeline-model-parallel-size {dims.pp} = {layers_per_stage}]")
+        # megatron-core 0.16's uniform chunks run past the last layer otherwise.
+        _require(args.recompute_method == "block"
+                 or layers_per_stage % args.recompute_num_layers == 0,
+                 f"--recompute-method uniform needs --recompute-num-layers "
+                 f"({args.recompute_num_layers}) to divide the layers per pipeline stage "
+                 f"({layers_per_stage})")
     else:
         _require(args.recompute_method is None and args.recompute_num_layers is None,
                  "--recompute-method/--recompute-num-layers need --recompute-granularity full")

@@ -1,6 +1,7 @@
 """Training logs: one Megatron-LM-format line per `--log-interval` on rank 0, the same scalars to
-TensorBoard, plus throughput, TFLOP/s per GPU (attention over the full sequence), peak memory and
-ETA. `tools/plot_run.py` reads both."""
+TensorBoard, plus throughput, TFLOP/s per GPU (attention over the full sequence), peak memory (on
+GPU also peak host memory, where offloaded activations live) and ETA. `tools/plot_run.py` reads
+both."""
 
 import contextlib
 import datetime
@@ -41,12 +42,16 @@ def model_flops_per_sample(model) -> float:
     return 6 * matmul_params(model) * s + attention
 
 
+def peak_host_memory_gib() -> float:
+    """Peak resident host memory of this rank's process (pinned offload buffers included)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def peak_memory_gib() -> float:
     """Peak allocated CUDA memory of this rank, or peak resident memory on CPU."""
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / 2**30
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return kib / 2**20
+    return peak_host_memory_gib()
 
 
 def _as_float(value):
@@ -112,6 +117,7 @@ class TrainingLogger:
         tokens_per_s = samples_per_s * self.seq_length
         tflops = self.flops_per_sample * samples_per_s / self.world_size / 1e12
         memory = peak_memory_gib()
+        host_memory = peak_host_memory_gib() if torch.cuda.is_available() else None
         done = iteration - self.first_iteration
         eta = (time.time() - self.start) / max(done, 1) * (self.train_iters - iteration)
         if self.writer is not None:
@@ -122,6 +128,8 @@ class TrainingLogger:
                 self.writer.add_scalar(tag, value, iteration)
             if grad_norm is not None:
                 self.writer.add_scalar("grad-norm", grad_norm, iteration)
+            if host_memory is not None:
+                self.writer.add_scalar("memory/peak-host-GiB", host_memory, iteration)
             self.writer.flush()
         grad = f"{grad_norm:.3f}" if grad_norm is not None else "n/a"
         fields = [
@@ -136,6 +144,7 @@ class TrainingLogger:
             f"loss scale: {loss_scale:.1f}",
             f"grad norm: {grad}",
             f"peak memory (GiB): {memory:.2f}",
+            *([f"peak host memory (GiB): {host_memory:.2f}"] if host_memory is not None else []),
             f"number of skipped iterations: {self.skipped:3d}",
             f"number of nan iterations: {self.nan:3d}",
             f"ETA: {datetime.timedelta(seconds=int(eta))}",
