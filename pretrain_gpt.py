@@ -4,7 +4,8 @@
 
 `python pretrain_gpt.py --help` lists every flag. A bad configuration, tokenizer or data set
 exits with status 2 and one message naming the flag, before any process group exists (token ids
-outside the vocabulary are found when a batch is read, and end the run the same way).
+outside the vocabulary are found when a batch is read, and end the run the same way; so does a
+NaN loss or a NaN / Inf gradient, before its update, unless --no-check-for-nan-in-loss-and-grad).
 """
 
 import sys
@@ -53,10 +54,13 @@ def main(argv=None) -> int:
         return report_error(PROG, error)
     from megatron_ulysses.data.datasets import DataError
     from megatron_ulysses.training.loop import pretrain
+    from megatron_ulysses.training.schedule import NonFiniteError
 
-    # DataError: a batch with token ids outside the vocabulary
+    # DataError: a batch with token ids outside the vocabulary; NonFiniteError: a NaN loss or
+    # gradient, found by every rank (--check-for-nan-in-loss-and-grad)
     return run_distributed(PROG, lambda: pretrain(config),
-                           {DataError: lambda error: _report_data_error(error, config)})
+                           {DataError: lambda error: _report_data_error(error, config),
+                            NonFiniteError: lambda error: report_error(PROG, error)})
 
 
 if __name__ == "__main__":

@@ -36,3 +36,15 @@ class ShardedRotaryEmbedding(torch.nn.Module):
                 cp_group=None) -> torch.Tensor:
         offset += ps.get_ulysses_sp_rank() * max_seq_len
         return self.rotary(max_seq_len, offset=offset, packed_seq=packed_seq, cp_group=cp_group)
+
+
+TE_ROPE_MAX_ELEMENTS = 2**31 - 1  # TE's fused RoPE kernel forms int32 element offsets
+
+
+def fused_rope_fits(tokens: int, heads: int, groups: int, head_dim: int) -> bool:
+    """Whether TE's fused RoPE can rotate this rank's q and k: its kernel (TE 2.20) indexes
+    with 32-bit offsets, and k reaches it as a view into the fused qkv projection
+    `[s/P, b, g, (h/g + 2) * d]` (`tokens` = b * s/P; h, g per TP rank), so an offset into k
+    spans that whole tensor. Past 2^31 elements the kernel reads out of bounds (an illegal
+    address on the H200 at 700K tokens of the 1B shape, NaN gradients at 1M)."""
+    return tokens * (heads + 2 * groups) * head_dim <= TE_ROPE_MAX_ELEMENTS

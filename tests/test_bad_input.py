@@ -353,3 +353,31 @@ def test_token_ids_outside_the_vocabulary_end_the_run_with_one_message(files, tm
     assert_one_message(result, ["token id", "vocabulary of 51 ids", "--tokenizer-model",
                                 "--vocab-size", f"(--data-path {files['d100']})"])
     assert re.search(r"token id (9\d)", result.stderr)
+
+
+@pytest.mark.parametrize("seq, sp, mbs, fused", [
+    (699008, 1, 1, True),     # the 1B shape's qkv: 699008 x 3072 elements < 2^31
+    (700000, 1, 1, False),    # past 2^31: TE's fused RoPE reads out of bounds (H200: illegal address)
+    (1000064, 1, 1, False),   # the 1M-token example (NaN gradients with the fused kernel)
+    (1000064, 2, 1, True),    # SP 2 halves the tokens per rank
+    (524288, 1, 2, False),    # two sequences per micro batch count too
+])
+def test_rope_fusion_is_off_where_te_kernel_offsets_overflow(seq, sp, mbs, fused):
+    from megatron_ulysses.training.arguments import build_parser, validate_args
+
+    argv = ["--num-layers", "2", "--hidden-size", "2048", "--num-attention-heads", "32",
+            "--group-query-attention", "--num-query-groups", "8", "--seq-length", str(seq),
+            "--position-embedding-type", "rope", "--micro-batch-size", str(mbs), "--lr", "1e-3",
+            "--train-iters", "1", "--mock-data", "--vocab-size", "64",
+            "--ulysses-sp-size", str(sp), "--ulysses-attention-backend", "sdpa"]
+    config = validate_args(build_parser().parse_args(argv), world_size=sp, cuda=True)
+    assert config.model.no_rope_fusion is not fused
+    said = [w for w in config.warnings if "RoPE runs unfused" in w]
+    assert len(said) == (0 if fused else 1)
+    if not fused:
+        assert "--ulysses-sp-size" in said[0] and "--no-rope-fusion" in said[0]
+        off = validate_args(build_parser().parse_args(argv + ["--no-rope-fusion"]),
+                            world_size=sp, cuda=True)
+        assert off.warnings == ()  # asked for: nothing to say
+    on_cpu = validate_args(build_parser().parse_args(argv), world_size=sp, cuda=False)
+    assert not on_cpu.model.no_rope_fusion and on_cpu.warnings == ()  # no fusion on CPU anyway

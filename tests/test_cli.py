@@ -6,7 +6,8 @@
   uninterrupted run; so does resuming the same checkpoint at another SP and DP size
   (SP 2 x DP 1 -> SP 1 x DP 2); a run with TiledMLP, tiled loss and offload, and one at
   TP 2 x SP 2 with --sequence-parallel, give the same losses.
-- SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly.
+- SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly; a NaN gradient stops
+  the run before its update, with one message (unless --no-check-for-nan-in-loss-and-grad).
 - Bad configurations fail with one message naming the flag, before any process group exists.
 """
 
@@ -183,6 +184,32 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     logged = plot_run.read_tensorboard(str(tmp_path / "tb"))
     assert [i for i, _ in logged["loss"]] == list(range(1, saved + 1))
     assert {"lr", "throughput", "memory"} <= logged.keys()
+
+
+def test_a_nan_gradient_stops_the_run_before_its_update(tmp_path):
+    # --lr 1e30: the first update blows the weights up; the second step's loss is still finite
+    # but its gradients are not (as in a bf16 run whose grad norm turns NaN).
+    blow_up = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e30",
+               "--lr-warmup-iters", "0", "--log-interval", "1", "--num-workers", "0"]
+    flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "4", "--eval-iters", "0",
+             "--ulysses-sp-size", "2"]
+    ckpt = tmp_path / "ckpt"
+    stopped = launch(2, *flags, "--save", str(ckpt), "--save-interval", "1", run=blow_up)
+    assert stopped.returncode != 0
+    errors = [line for line in stopped.stderr.splitlines() if "pretrain_gpt.py: error" in line]
+    assert len(errors) == 1, stopped.stderr[-3000:]  # said once, by rank 0
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert f"iteration {saved + 1}: " in errors[0] and "hold NaN or Inf" in errors[0]
+    assert "--no-check-for-nan-in-loss-and-grad" in errors[0] and str(ckpt) in errors[0]
+    assert max(losses_of(stopped.stdout)) == saved  # no NaN update was logged or saved
+
+    trained_on = launch(2, *flags, "--no-check-for-nan-in-loss-and-grad", run=blow_up)
+    assert sorted(losses(trained_on)) == [1, 2, 3, 4]
+    assert "grad norm: nan" in trained_on.stdout
+
+
+def losses_of(stdout: str) -> dict:
+    return {int(i): float(v) for i, v in ITERATION.findall(stdout)}
 
 
 def test_skip_train_evaluates_a_checkpoint_as_its_training_did(data_flags, tmp_path):

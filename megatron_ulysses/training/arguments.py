@@ -16,6 +16,7 @@ from ..data.datasets import parse_data_path, parse_split
 from ..data.tokenizers import TOKENIZER_TYPES
 from ..memory.tiling import check_num_tiles
 from ..parallel_state import ParallelDims
+from ..rope import fused_rope_fits
 from .config import RunConfig, from_namespace
 
 
@@ -197,6 +198,11 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: save a checkpoint (needs --save) and exit")
+    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
+                   dest="check_for_nan_in_loss_and_grad",
+                   help="train on past a NaN loss or a NaN / Inf gradient (without it the run "
+                   "stops before that update, which would turn the weights into NaN; with "
+                   "--fp16 the loss scaler skips such steps instead)")
     g.add_argument("--tensorboard-dir", type=str, default=None)
     g.add_argument("--deterministic-mode", action="store_true",
                    help="bitwise run-to-run and resume reproducibility on GPU: deterministic "
@@ -372,6 +378,26 @@ def _check_data_source(args, warnings: list) -> None:
         raise ConfigError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
 
 
+def _check_rope_fusion(args, dims: ParallelDims, cuda: bool, warnings: list) -> None:
+    """TE's fused RoPE only where its 32-bit offsets reach (`rope.fused_rope_fits`); past
+    that the unfused RoPE runs, said once."""
+    if not cuda or args.no_rope_fusion or args.position_embedding_type != "rope":
+        return
+    tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
+    heads = args.num_attention_heads // dims.tp
+    groups = max(args.num_query_groups // dims.tp, 1)
+    if not fused_rope_fits(tokens, heads, groups, args.kv_channels):
+        args.no_rope_fusion = True
+        warnings.append(
+            f"RoPE runs unfused: TE's fused RoPE kernel indexes with 32-bit offsets and its k "
+            f"is a view into the qkv projection of --micro-batch-size x --seq-length / "
+            f"--ulysses-sp-size = {tokens} tokens x {heads + 2 * groups} heads x "
+            f"{args.kv_channels} = {tokens * (heads + 2 * groups) * args.kv_channels:,} "
+            f"elements per rank, past 2^31 (the fused kernel would read out of bounds: an "
+            f"illegal address or NaN gradients); a larger --ulysses-sp-size brings it back, "
+            f"--no-rope-fusion silences this")
+
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunConfig:
     """Check the whole configuration for `world_size` processes, fill in the derived values
     (`num_microbatches`, defaults that depend on other flags) and freeze it. Raises
@@ -440,6 +466,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
                             args.seq_length if args.sequence_parallel else None)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    _check_rope_fusion(args, dims, cuda, warnings)
     per_step = args.micro_batch_size * dims.dp
     if args.global_batch_size is None:
         args.global_batch_size = per_step

@@ -47,6 +47,17 @@ def leave(code: int) -> int:
     return code
 
 
+def stop_children() -> None:
+    """End this rank's multiprocessing children (megatron-core's checkpoint saves start a
+    `multiprocessing.Manager` server) before an error exit: `os._exit`, or the SIGTERM torchrun
+    sends the other ranks, skips their finalizers, and an orphan would keep the job's stdout
+    open (and its launcher waiting) after every rank is gone."""
+    import multiprocessing
+
+    for child in multiprocessing.active_children():
+        child.terminate()
+
+
 def run_distributed(prog: str, body, reporters=None) -> int:
     """Run `body()` (it starts the process groups) and tear the groups down after it. A
     `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
@@ -63,9 +74,11 @@ def run_distributed(prog: str, body, reporters=None) -> int:
     try:
         body()
     except tuple(reporters) as error:
+        stop_children()
         return leave(next(report for kind, report in reporters.items()
                           if isinstance(error, kind))(error))
     except BaseException:
+        stop_children()
         if not alone():
             traceback.print_exc()
             leave(1)

@@ -129,6 +129,7 @@ class TrainingConfig:
     seed: int
     exit_interval: Optional[int]
     exit_signal_handler: bool
+    check_for_nan_in_loss_and_grad: bool
     distributed_backend: str
     distributed_timeout_minutes: int
 

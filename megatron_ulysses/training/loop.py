@@ -21,7 +21,7 @@ from .checkpointing import carried_common_state, load_checkpoint, save_checkpoin
 from .config import RunConfig
 from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_model_and_optimizer, transformer_config
-from .schedule import evaluate, train_step
+from .schedule import NonFiniteError, evaluate, train_step
 
 
 def set_deterministic_mode() -> None:
@@ -161,8 +161,16 @@ def pretrain(config: RunConfig) -> None:
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     while iteration < training.train_iters:
-        loss, grad_norm, ok = train_step(train_batches, model, optimizer, scheduler, training,
-                                         local_seq)
+        try:
+            loss, grad_norm, ok = train_step(train_batches, model, optimizer, scheduler,
+                                             training, local_seq)
+        except NonFiniteError as error:
+            last = (f"the last checkpoint (--save {checkpoint.save}) is the one to resume "
+                    f"from" if checkpoint.save else "no checkpoint was saved (no --save)")
+            raise NonFiniteError(
+                f"iteration {iteration + 1}: {error}. The update was not applied and {last}. "
+                f"Lower --lr or raise --lr-warmup-iters, check --clip-grad and the data, or "
+                f"pass --no-check-for-nan-in-loss-and-grad to train on regardless") from None
         iteration += 1
         consumed += training.global_batch_size
         saved = False

@@ -11,6 +11,7 @@ import contextlib
 import functools
 
 import torch
+import torch.distributed as dist
 from megatron.core.distributed import finalize_model_grads
 
 from .. import cpu_compat
@@ -69,12 +70,40 @@ def forward_backward(data_iterator, model, training: TrainingConfig, local_seq_l
     return totals
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN loss, or a NaN / Inf gradient, found before the update (every rank raises it)."""
+
+
+def check_finite(totals: torch.Tensor, model, check_grads: bool) -> None:
+    """--check-for-nan-in-loss-and-grad, between the backward and the update: raise
+    `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN or (`check_grads`: no
+    loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
+    bad = [name for name, param in model.named_parameters()
+           if check_grads and param.requires_grad and not torch.isfinite(param.main_grad).all()]
+    counts = torch.tensor([float(torch.isnan(totals[0])), len(bad)], device=totals.device)
+    dist.all_reduce(counts)
+    nan_loss, bad_grads = int(counts[0]), int(counts[1])
+    if not (nan_loss or bad_grads):
+        return
+    found = []
+    if nan_loss:
+        found.append(f"the loss is NaN on {nan_loss} rank(s)")
+    if bad_grads:
+        here = f" (on this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+        found.append(f"{bad_grads} parameter gradient(s), counted over the ranks, hold NaN or Inf"
+                     f"{here if bad else ''}")
+    raise NonFiniteError("; ".join(found))
+
+
 def train_step(data_iterator, model, optimizer, scheduler, training: TrainingConfig,
                local_seq_length: int):
-    """One optimizer step over the global batch; returns (loss, grad norm, update ok)."""
+    """One optimizer step over the global batch; returns (loss, grad norm, update ok).
+    Raises `NonFiniteError` before the update (--check-for-nan-in-loss-and-grad)."""
     model.zero_grad_buffer()
     optimizer.zero_grad()
     totals = forward_backward(data_iterator, model, training, local_seq_length)
+    if training.check_for_nan_in_loss_and_grad:
+        check_finite(totals, model, check_grads=not model.config.fp16)
     ok, grad_norm, _ = optimizer.step()
     if ok:
         scheduler.step(increment=training.global_batch_size)
