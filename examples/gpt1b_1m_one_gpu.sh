@@ -16,8 +16,8 @@
 #       bash examples/gpt1b_1m_one_gpu.sh        # a HuggingFaceTokenizer folder
 # SEQ_LENGTH [1000064] is 10^6 rounded up to a multiple of 128, keeping [s, h] under 2^31
 # elements; past 699050 tokens per rank TE's fused RoPE would overflow its 32-bit offsets, so the
-# trainer runs RoPE unfused there (it says so once). Other variables: see common.sh (TRAIN_ITERS [1], LR, VOCAB_SIZE [128256], ...); extra
-# arguments go to pretrain_gpt.py.
+# trainer runs RoPE unfused there (it says so once). Other variables: see common.sh
+# (TRAIN_ITERS [1], LR, VOCAB_SIZE [128256], ...); extra arguments go to pretrain_gpt.py.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$(dirname "$0")/.."

@@ -78,13 +78,16 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool) -> None:
     """--check-for-nan-in-loss-and-grad, between the backward and the update: raise
     `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN or (`check_grads`: no
     loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
-    bad = [name for name, param in model.named_parameters()
-           if check_grads and param.requires_grad and not torch.isfinite(param.main_grad).all()]
-    counts = torch.tensor([float(torch.isnan(totals[0])), len(bad)], device=totals.device)
+    grads = [(name, param.main_grad) for name, param in model.named_parameters()
+             if check_grads and param.requires_grad]
+    finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]
+                         + [~torch.isnan(totals[0])])  # on the device: one sync, below
+    counts = torch.stack([(~finite[:-1]).sum(), ~finite[-1]]).double()
     dist.all_reduce(counts)
-    nan_loss, bad_grads = int(counts[0]), int(counts[1])
+    bad_grads, nan_loss = int(counts[0]), int(counts[1])
     if not (nan_loss or bad_grads):
         return
+    bad = [name for (name, _), ok in zip(grads, finite[:-1].tolist()) if not ok]
     found = []
     if nan_loss:
         found.append(f"the loss is NaN on {nan_loss} rank(s)")
