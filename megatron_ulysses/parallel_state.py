@@ -55,6 +55,9 @@ class ParallelDims:
         """Pure data-parallel size: how many different samples one step reads per micro batch."""
         return self.world_size // (self.tp * self.pp * self.sp)
 
+    def local_seq_length(self, seq_length: int) -> int:
+        """Tokens of one sequence per SP rank, s/P, after the loader pads s to a multiple of P."""
+        return -(-seq_length // self.sp)
 
     def rank_groups(self, axis: str) -> List[List[int]]:
         """Global ranks of every group along `axis`: "sp" (blocks of P consecutive members of

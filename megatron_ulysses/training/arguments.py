@@ -383,7 +383,7 @@ def _check_rope_fusion(args, dims: ParallelDims, cuda: bool, warnings: list) -> 
     that the unfused RoPE runs, said once."""
     if not cuda or args.no_rope_fusion or args.position_embedding_type != "rope":
         return
-    tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
+    tokens = args.micro_batch_size * dims.local_seq_length(args.seq_length)
     heads = args.num_attention_heads // dims.tp
     groups = max(args.num_query_groups // dims.tp, 1)
     if not fused_rope_fits(tokens, heads, groups, args.kv_channels):
@@ -408,7 +408,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     except ValueError as error:
         raise ConfigError(str(error)) from None
     if args.initial_loss_scale is None and args.seq_length > 0 and args.micro_batch_size > 0:
-        tokens = args.micro_batch_size * -(-args.seq_length // dims.sp)
+        tokens = args.micro_batch_size * dims.local_seq_length(args.seq_length)
         args.initial_loss_scale = max(1.0, 2.0**20 / 2 ** math.ceil(math.log2(tokens)))
     if args.skip_train:
         _require(args.eval_iters > 0, f"--skip-train evaluates --eval-iters batches; give a "
@@ -447,7 +447,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = 4 * args.hidden_size
     # The loader pads s to a multiple of P (loss mask 0); padded tokens still get positions.
-    padded_length = -(-args.seq_length // dims.sp) * dims.sp
+    padded_length = dims.local_seq_length(args.seq_length) * dims.sp
     if args.max_position_embeddings is None:
         args.max_position_embeddings = padded_length
     if args.position_embedding_type == "learned_absolute":

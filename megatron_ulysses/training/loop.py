@@ -117,7 +117,7 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
         iteration, _ = load_checkpoint(config.checkpoint.load, model, None, None, config)
     _, valid_batches = _build_batches(config, tokenizer, iteration, 0)
     logger = TrainingLogger(config, config.dims.world_size)
-    local_seq = -(-model_config.seq_length // config.dims.sp)
+    local_seq = config.dims.local_seq_length(model_config.seq_length)
     logger.log_validation(iteration, evaluate(valid_batches, model, training, local_seq))
     logger.close()
 
@@ -149,7 +149,7 @@ def pretrain(config: RunConfig) -> None:
     scheduler.step(increment=0)  # set lr for the first step (no-op after a load)
     train_batches, valid_batches = _build_batches(config, tokenizer, iteration, consumed)
 
-    local_seq = -(-model_config.seq_length // dims.sp)  # s/P after padding
+    local_seq = dims.local_seq_length(model_config.seq_length)
     logger = TrainingLogger(config, dims.world_size)
     signals = SignalFlag(training.exit_signal_handler)
 
