@@ -43,7 +43,10 @@ PARSE = [
     (without(DATA, "--data-path") + ["--data-path", "{root}/absent"],
      ["--data-path prefixes without .bin/.idx files", "absent"]),
     (without(DATA, "--data-path") + ["--data-path", "-1", "{d100}", "2", "{d854}"],
-     ["--data-path", "blend weights must be non-negative"]),
+     ["--data-path", "blend weights must be positive"]),
+    # megatron-core's BlendedDataset asserts every weight > 0 (a raw traceback after init)
+    (without(DATA, "--data-path") + ["--data-path", "1", "{d100}", "0", "{d854}"],
+     ["--data-path", "blend weights must be positive", "leave a prefix out"]),
     # --split: syntax, no training split (megatron-core's own parser drops signs and letters)
     (DATA + ["--split", "0,100,0"], ["--split 0,100,0", "train split weight 0"]),
     (DATA + ["--split", "abc"], ["--split 'abc'", "non-negative"]),
@@ -381,3 +384,28 @@ def test_rope_fusion_is_off_where_te_kernel_offsets_overflow(seq, sp, mbs, fused
         assert off.warnings == ()  # asked for: nothing to say
     on_cpu = validate_args(build_parser().parse_args(argv), world_size=sp, cuda=False)
     assert not on_cpu.model.no_rope_fusion and on_cpu.warnings == ()  # no fusion on CPU anyway
+
+
+def test_an_unknown_flag_is_one_line_naming_it(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(BASE + ["--rampup-batch-size", "2", "2", "8"], world_size=1)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unrecognized arguments: --rampup-batch-size 2 2 8" in err, err
+
+
+@pytest.mark.parametrize("flags, groups", [
+    ([], 8),  # the checkpoint's MHA
+    (["--group-query-attention", "--num-query-groups", "2"], 2),  # the command line wins
+])
+def test_use_checkpoint_args_keeps_query_groups_given_on_the_command_line(
+        flags, groups, monkeypatch):
+    from megatron_ulysses.training import checkpointing
+
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+             "num_query_groups": 8}
+    monkeypatch.setattr(checkpointing, "read_checkpoint_args", lambda path: saved)
+    run = [*RUN, "--mock-data", "--vocab-size", "64", "--seq-length", "32"]
+    config = parse_args(run + ["--load", "CKPT", "--use-checkpoint-args", *flags],
+                        world_size=1)
+    assert config.model.num_query_groups == groups

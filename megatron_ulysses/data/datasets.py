@@ -282,10 +282,9 @@ def parse_data_path(data_path: List[str]) -> Tuple:
         raise ValueError(f"--data-path {' '.join(data_path)!r}: expected PREFIX ... or WEIGHT "
                          "PREFIX WEIGHT PREFIX ...")
     weights = blend[1]
-    if weights is not None and not (all(math.isfinite(w) and w >= 0 for w in weights)
-                                    and sum(weights) > 0):
+    if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"--data-path {' '.join(data_path)!r}: blend weights must be "
-                         f"non-negative and not all 0, got {weights}")
+                         f"positive, got {weights} (leave a prefix out to not read it)")
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
         raise FileNotFoundError(

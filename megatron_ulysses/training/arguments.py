@@ -47,9 +47,16 @@ def _number(value: str):
     return int(number) if number.is_integer() else number
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse error is one line (the flag and what is wrong), not the 80-line usage."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     """`model_flags_required=False` (with --use-checkpoint-args): the checkpoint gives them."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pretrain_gpt.py",
         description="GPT pretraining on megatron-core with Ulysses sequence parallelism. "
         "Flags follow Megatron-LM; ours are --ulysses-sp-size, --ulysses-attention-backend and "
@@ -646,7 +653,7 @@ CHECKPOINT_ARGS = (
 )
 
 
-def apply_checkpoint_args(args: argparse.Namespace, given=()) -> None:
+def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset()) -> None:
     """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
     for pickled code before it is read), except those in `given` (flags on the command line win,
     as Megatron-LM's: e.g. a new --rotary-base for context extension; a shape that differs from
@@ -665,7 +672,8 @@ def apply_checkpoint_args(args: argparse.Namespace, given=()) -> None:
     for name in CHECKPOINT_ARGS:
         if name in saved and flag_name(name) not in given:
             setattr(args, name, saved[name])
-    if "num_query_groups" in saved:
+    if "num_query_groups" in saved and not given & {"--group-query-attention",
+                                                    "--num-query-groups"}:
         args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
         if not args.group_query_attention:
             args.num_query_groups = None
