@@ -197,3 +197,80 @@ def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path):
                      str(tmp_path / "o"))
     assert result.returncode == 2 and "--load" in result.stderr
     assert not (tmp_path / "c").exists()
+
+
+def _hf_copy(hf_dir, path, **changes):
+    """`hf_dir` linked into `path`, with `changes` applied to its config.json (None deletes)."""
+    path.mkdir()
+    for name in os.listdir(hf_dir):
+        if name != "config.json":
+            os.symlink(hf_dir / name, path / name)
+    config = json.loads((hf_dir / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            del config[key]
+        else:
+            config[key] = value
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _refused(result, *words):
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.splitlines()[0]  # (at TP 2 torch logs the other rank's SIGTERM)
+    assert line.startswith("convert_hf.py: error: ")
+    for word in words:
+        assert word in line, line
+
+
+def test_import_refuses_bad_output_and_config_fields(hf_dir, tmp_path):
+    _refused(convert("import", "--hf-path", str(hf_dir), "--output", "/proc/nope"), "--output")
+    assert "--save" not in convert("import", "--hf-path", str(hf_dir), "--output",
+                                   "/proc/nope").stderr
+    trained = tmp_path / "trained"
+    trained.mkdir()
+    (trained / "latest_checkpointed_iteration.txt").write_text("5")
+    _refused(convert("import", "--hf-path", str(hf_dir), "--output", str(trained)), "--output")
+    assert (trained / "latest_checkpointed_iteration.txt").read_text() == "5"
+    bad = _hf_copy(hf_dir, tmp_path / "no_layers", num_hidden_layers=None)
+    _refused(convert("import", "--hf-path", str(bad), "--output", str(tmp_path / "c")),
+             "is missing the field 'num_hidden_layers'")
+
+
+def test_import_refuses_tensors_the_config_wants_and_the_files_lack(hf_dir, tmp_path):
+    more = _hf_copy(hf_dir, tmp_path / "three_layers", num_hidden_layers=3)
+    _refused(convert("import", "--hf-path", str(more), "--output", str(tmp_path / "c"),
+                     "--tensor-model-parallel-size", "2"), "model.layers.2.", "num_hidden_layers")
+    untied = tmp_path / "untied"
+    _hf_copy(hf_dir, untied)
+    from safetensors.torch import save_file
+
+    tensors = _tensors(hf_dir)
+    del tensors["lm_head.weight"]
+    (untied / "model.safetensors").unlink()
+    save_file(tensors, str(untied / "model.safetensors"))
+    _refused(convert("import", "--hf-path", str(untied), "--output", str(tmp_path / "c")),
+             "lm_head.weight", "tie_word_embeddings")
+    assert not (tmp_path / "c").exists()
+
+
+def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path):
+    load = str(tmp_path / "nothing")  # refused before --load is read
+    old = tmp_path / "old_model"
+    old.mkdir()
+    (old / "model-00001-of-00002.safetensors").write_bytes(b"")
+    _refused(convert("export", "--load", load, "--output", str(old)), "--output",
+             "model-00001-of-00002.safetensors")
+    index = tmp_path / "indexed"
+    index.mkdir()
+    (index / "model.safetensors.index.json").write_text("{}")
+    _refused(convert("export", "--load", load, "--output", str(index)), "--output")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    (tokenizer / "tokenizer.json").write_text("{}")
+    _refused(convert("export", "--load", load, "--output", str(tokenizer), "--tokenizer-dir",
+                     str(tokenizer)), "--output", "--tokenizer-dir")
+    (tmp_path / "file").write_text("")
+    _refused(convert("export", "--load", load, "--output", str(tmp_path / "file")), "--output")
+    _refused(convert("export", "--load", load, "--output", "/proc/nope"), "--output")

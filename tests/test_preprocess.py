@@ -3,8 +3,10 @@
 
 import gzip
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset
 import inspect_dataset
 import merge_datasets
 import preprocess_data
+import train_tokenizer
 from conftest import REPO_ROOT
 
 TEXTS = [
@@ -129,6 +132,45 @@ def test_command_line_from_repo_root(tmp_path, sp_model):
     assert result.returncode == 0, result.stderr
     assert "processed 2 documents" in result.stderr
     assert len(read_documents(str(tmp_path / "cli_text_document"))) == len(TEXTS)
+
+
+def test_sigterm_leaves_no_temporary_files(tmp_path):
+    ids = " ".join(str(i) for i in range(200))
+    source = write_jsonl(tmp_path / "big.jsonl", [ids] * 100_000)
+    process = subprocess.Popen(
+        [sys.executable, "tools/preprocess_data.py", "--input", str(source), "--output-prefix",
+         str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000",
+         "--workers", "2"],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True,
+    )
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("out*.tmp*")) and process.poll() is None:
+        assert time.time() < deadline, "preprocess_data.py wrote no temporary file"
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM, err
+    assert not list(tmp_path.glob("*.tmp*"))
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_tokenizer_trains_on_long_lines(tmp_path):
+    words = ["alpha", "bravo", "charlie", "délta", "echo", "foxtrot"]
+    documents = [" ".join(words[(i + n) % len(words)] for i in range(7500)) for n in range(3)]
+    assert all(len(doc.encode("utf-8")) > 1.3 * train_tokenizer.MAX_SENTENCE_BYTES
+               for doc in documents)
+    source = write_jsonl(tmp_path / "long.jsonl", documents + ["xyz"])
+    prefix = tmp_path / "long_sp"
+    assert train_tokenizer.main(["--input", str(source), "--output-prefix", str(prefix),
+                                 "--vocab-size", "60"]) == 0
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(prefix) + ".model")
+    pieces = {processor.id_to_piece(i) for i in range(processor.get_piece_size())}
+    assert {"\u2581" + word for word in words} <= pieces
+
+
+def test_split_long_line_keeps_characters_whole():
+    pieces = list(train_tokenizer.split_long_line("ab cd\u00e9\u00e9\u00e9 " + "x" * 7, 5))
+    assert pieces == ["ab", "cd\u00e9", "\u00e9\u00e9", "xxxxx", "xx"]
 
 
 def test_merge_concatenates_documents(tmp_path, sp_model):

@@ -332,3 +332,53 @@ def test_merge_checks_tokenizers(tmp_path, capsys, datasets, names, code, named,
         assert not sidecars[-1].exists()
     assert sorted(os.listdir(tmp_path / "out")) == sorted(p.name for p in files_of(output)
                                                           if p.exists())
+
+
+# ------------------------------------------------------------ HuggingFace tokenizer directories
+
+
+def save_hf_tokenizer(path: Path, **special_tokens) -> Path:
+    """A word-level HuggingFace tokenizer over the words of ``TEXTS``, saved to ``path``."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = sorted({word for text in TEXTS for word in text.replace(",", " ").split()})
+    vocab = {word: i for i, word in enumerate(["<unk>", "</s>", *words])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>",
+                            **special_tokens).save_pretrained(str(path))
+    return path
+
+
+def test_append_eod_needs_an_eod_id(tmp_path, capsys):
+    model = save_hf_tokenizer(tmp_path / "no_eos")
+    source = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": t}) for t in TEXTS])
+    code, err = run_tool(preprocess_data.main, [
+        "--input", source, "--output-prefix", tmp_path / "out" / "x", "--append-eod",
+        "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model], capsys)
+    assert code == 2
+    assert_one_error(err, ["--append-eod", f"--tokenizer-model {str(model)!r}",
+                           "no end-of-document id"])
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")
+
+
+def test_hf_tokenizer_hash_covers_only_tokenizer_files(tmp_path, capsys):
+    source = write_lines(tmp_path / "docs.jsonl", [json.dumps({"text": t}) for t in TEXTS])
+    prefixes = []
+    for name, config in (("a", {"hidden_size": 8}), ("b", {"hidden_size": 16})):
+        model = save_hf_tokenizer(tmp_path / name, eos_token="</s>")
+        (model / "config.json").write_text(json.dumps(config))
+        if name == "b":
+            (model / "model.safetensors").write_bytes(NOISE * 1000)
+        code, err = run_tool(preprocess_data.main, [
+            "--input", source, "--output-prefix", tmp_path / name, "--append-eod",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", model], capsys)
+        assert code == 0, err
+        prefixes.append(tmp_path / f"{name}_text_document")
+    first, second = (json.loads(Path(dataset_files(str(p))[2]).read_text()) for p in prefixes)
+    assert first["tokenizer_model_sha256"] == second["tokenizer_model_sha256"]
+    code, err = run_tool(merge_datasets.main, ["--input", *prefixes, "--output-prefix",
+                                               tmp_path / "merged"], capsys)
+    assert code == 0, err

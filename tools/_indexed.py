@@ -8,6 +8,7 @@ import functools
 import hashlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
@@ -18,6 +19,9 @@ if _REPO_ROOT not in sys.path:  # megatron_ulysses, for a tool run as tools/<nam
 
 # What identifies the tokenizer of a dataset (the model path may differ between copies).
 TOKENIZER_IDENTITY = ("tokenizer_type", "tokenizer_model_sha256", "vocab_size")
+# The files of a HuggingFace tokenizer directory that define it (not config.json nor weights).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
 
 
 class ToolError(Exception):
@@ -36,6 +40,19 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
             return 2
 
     return wrapper
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (scancel, a SLURM time limit) unwind the calling process like Ctrl-C, so that
+    temporary files are removed, with exit status 143; forked pool workers still just die."""
+    main_pid = os.getpid()
+
+    def handler(signum, frame):
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
 
 
 def dataset_files(prefix: str) -> Tuple[str, str, str]:
@@ -95,15 +112,24 @@ def load_tokenizer(args):
                         f"{args.vocab_size}): {err}") from None
 
 
+def _file_sha256(path: Path) -> bytes:
+    digest = hashlib.sha256()
+    with open(path, "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.digest()
+
+
 def _sha256(path: str) -> str:
-    """Digest of a file (as ``sha256sum`` prints it), or of the names and contents of the files
-    under a directory (a HuggingFace tokenizer)."""
+    """Digest of a file (as ``sha256sum`` prints it), or of the names and digests of the
+    ``TOKENIZER_FILES`` in a directory (a HuggingFace tokenizer)."""
     root = Path(path)
     if root.is_file():
-        return hashlib.sha256(root.read_bytes()).hexdigest()
+        return _file_sha256(root).hex()
     digest = hashlib.sha256()
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(root)).encode() + b"\0" + file.read_bytes())
+    for name in TOKENIZER_FILES:
+        if (root / name).is_file():
+            digest.update(name.encode() + b"\0" + _file_sha256(root / name))
     return digest.hexdigest()
 
 

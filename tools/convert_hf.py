@@ -31,7 +31,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_ulysses import hf  # noqa: E402
-from megatron_ulysses.training.arguments import ConfigError, flag_name  # noqa: E402
+from megatron_ulysses.training.arguments import (  # noqa: E402
+    ConfigError, check_writable_dir, flag_name)
 
 PROG = "convert_hf.py"
 # Run flags the build needs and the conversion does not use.
@@ -217,8 +218,13 @@ def _import_rank(argv, files, hf_config, model_args, output) -> None:
     model, optimizer, scheduler = _build(config)
     gpt = model.module
     spec = hf.detect_spec(gpt.state_dict())
-    state = hf.hf_to_megatron_state_dict(load_safetensors(files), model_args,
-                                         mpu.get_tensor_model_parallel_rank(), tp, spec=spec)
+    try:
+        state = hf.hf_to_megatron_state_dict(load_safetensors(files), model_args,
+                                             mpu.get_tensor_model_parallel_rank(), tp, spec=spec)
+    except KeyError as error:  # a tensor the config asks for
+        raise ConversionError(f"--hf-path {os.path.dirname(files[0])}: {error.args[0]}; its "
+                              "config.json (num_hidden_layers, tie_word_embeddings, ...) and "
+                              "safetensors disagree") from None
     own = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     missing, extra = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     if missing or extra:
@@ -237,16 +243,25 @@ def _import_rank(argv, files, hf_config, model_args, output) -> None:
 
 
 def import_hf(args) -> None:
+    from megatron_ulysses.training.checkpointing import TRACKER
+
     if args.pipeline_model_parallel_size != 1:
         raise ConversionError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
                               ": pipeline parallelism is not supported yet; use 1")
     if args.tensor_model_parallel_size < 1:
         raise ConversionError("--tensor-model-parallel-size must be positive, got "
                               f"{args.tensor_model_parallel_size}")
+    check_writable_dir(args.output, "--output")
+    if os.path.isfile(os.path.join(args.output, TRACKER)):
+        raise ConversionError(f"--output {args.output} already holds a checkpoint ({TRACKER}); "
+                              "choose an empty or new folder")
     hf_config = read_hf_config(args.hf_path)
     try:
         model_args = hf.model_args_from_hf_config(hf_config)
-    except (ValueError, KeyError, TypeError) as error:
+    except KeyError as error:
+        raise ConversionError(f"--hf-path {args.hf_path}/config.json is missing the field "
+                              f"{error.args[0]!r}") from None
+    except (ValueError, TypeError) as error:
         raise ConversionError(f"--hf-path {args.hf_path}/config.json: {error}") from None
     files = safetensors_files(args.hf_path)
     tp = args.tensor_model_parallel_size
@@ -296,6 +311,7 @@ def _export_rank(argv, model_args, hf_config, architecture, output) -> None:
 def export_hf(args) -> None:
     from megatron_ulysses.training.checkpointing import read_common_state
 
+    _check_export_output(args)
     found = read_common_state(args.load)
     if found is None:
         raise ConversionError(f"--load {args.load}: no checkpoint (no "
@@ -339,6 +355,26 @@ def export_hf(args) -> None:
         shutil.copyfile(os.path.join(args.tokenizer_dir, name), os.path.join(args.output, name))
     print(f"{PROG}: wrote {args.output}/config.json and model.safetensors"
           + (f", copied {', '.join(tokenizer_files)}" if tokenizer_files else ""))
+
+
+# Files in --output that a loader would take as the model's weights.
+WEIGHT_FILES = ("*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+                "pytorch_model.bin.index.json")
+
+
+def _check_export_output(args) -> None:
+    """--output is a writable directory without weights (a loader following an old index would
+    take them with the new config) and not --tokenizer-dir."""
+    check_writable_dir(args.output, "--output")
+    old = sorted(os.path.basename(f) for pattern in WEIGHT_FILES
+                 for f in glob.glob(os.path.join(glob.escape(args.output), pattern)))
+    if old:
+        raise ConversionError(f"--output {args.output} already holds weights ({', '.join(old)}); "
+                              "choose an empty or new folder")
+    if args.tokenizer_dir is not None and \
+            os.path.realpath(args.output) == os.path.realpath(args.tokenizer_dir):
+        raise ConversionError(f"--output {args.output} is --tokenizer-dir; choose an empty or "
+                              "new folder")
 
 
 def _tokenizer_files(directory):

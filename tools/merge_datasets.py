@@ -19,6 +19,7 @@ from _indexed import (  # noqa: E402
     check_dataset,
     dataset_files,
     describe_tokenizer,
+    exit_on_sigterm,
     read_sidecar,
     reports_errors,
     same_tokenizer,
@@ -62,6 +63,7 @@ def check_tokenizers(prefixes: List[str]) -> Optional[dict]:
 @reports_errors
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
+    exit_on_sigterm()
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
     dtypes = {prefix: check_dataset(prefix, "--input").dtype for prefix in args.input}

@@ -21,7 +21,7 @@ from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES, check_for_training  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -29,6 +29,7 @@ from _indexed import (  # noqa: E402
     Staged,
     ToolError,
     dataset_files,
+    exit_on_sigterm,
     load_tokenizer,
     reports_errors,
     tokenizer_record,
@@ -213,11 +214,17 @@ def add_documents(args: argparse.Namespace, encoder: Encoder, builders: Dict,
 @reports_errors
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
+    exit_on_sigterm()
     # Imported after argument checks: importing megatron.core takes seconds.
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     encoder = Encoder(args)
     encoder.initializer()
+    if args.append_eod:
+        try:
+            check_for_training(encoder.tokenizer, args.tokenizer_type, args.tokenizer_model)
+        except ValueError as err:
+            raise ToolError(f"--append-eod: {err}") from None
     dtype = DType.optimal_dtype(encoder.tokenizer.vocab_size)
     record = tokenizer_record(args, encoder.tokenizer)
     os.makedirs(os.path.dirname(os.path.abspath(args.output_prefix)), exist_ok=True)

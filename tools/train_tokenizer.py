@@ -16,14 +16,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from preprocess_data import open_input, parse_json_line  # noqa: E402
 
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
-# sentencepiece drops longer training lines; documents are fed line by line, so this only
-# guards against pathological single-line paragraphs.
+# sentencepiece silently skips training lines longer than this (in UTF-8 bytes), so
+# iter_training_lines splits longer lines (a whole jsonl document often is one) into pieces.
 MAX_SENTENCE_BYTES = 1 << 15
+
+
+def split_long_line(line: str, limit: int = MAX_SENTENCE_BYTES) -> Iterator[str]:
+    """``line`` in pieces of at most ``limit`` UTF-8 bytes, cut at whitespace (a piece without
+    whitespace is cut between two characters)."""
+    data = line.encode("utf-8")
+    while len(data) > limit:
+        cut = max(data.rfind(b" ", 0, limit + 1), data.rfind(b"\t", 0, limit + 1))
+        if cut <= 0:
+            cut = limit
+            while data[cut] & 0xC0 == 0x80:  # a UTF-8 continuation byte
+                cut -= 1
+        yield data[:cut].decode("utf-8")
+        data = data[cut:].lstrip()
+    yield data.decode("utf-8")
 
 
 def iter_training_lines(path: str, json_keys: List[str]) -> Iterator[str]:
     """Non-empty text lines of a ``.txt`` file or of the ``json_keys`` texts of a jsonl file
-    (either optionally ``.gz``); unusable jsonl lines are reported on stderr and skipped."""
+    (either optionally ``.gz``), longer ones split by ``split_long_line``; unusable jsonl lines
+    are reported on stderr and skipped."""
     is_text = path.endswith(".txt") or path.endswith(".txt.gz")
     with open_input(path) as stream:
         for line_no, raw in enumerate(stream, start=1):
@@ -36,7 +52,8 @@ def iter_training_lines(path: str, json_keys: List[str]) -> Iterator[str]:
                     continue
                 texts = list(parsed.values())
             for text in texts:
-                yield from (line for line in text.splitlines() if line.strip())
+                for line in text.splitlines():
+                    yield from (piece for piece in split_long_line(line) if piece.strip())
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
