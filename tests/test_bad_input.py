@@ -86,6 +86,8 @@ PARSE = [
     (BASE + ["--lr-decay-iters", "0"], ["--lr-decay-iters must be positive, got 0"]),
     (BASE + ["--lr-warmup-iters", "2"],
      ["--lr-warmup-iters (2 iterations) must be < --lr-decay-iters (default --train-iters) (2)"]),
+    (NO_ITERS + ["--train-samples", "8", "--global-batch-size", "4", "--lr-warmup-iters", "2"],
+     ["--lr-decay-iters (default --train-samples 8 / --global-batch-size) (2)"]),
     (BASE + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"],
      ["--lr-warmup-iters (5 iterations) must be < --lr-decay-iters (3)"]),
     (BASE + ["--lr-warmup-iters=-1"], ["--lr-warmup-iters must be >= 0, got -1"]),

@@ -529,8 +529,8 @@ def test_cli_reports_load_errors_as_one_message(tmp_path):
     assert fewer.returncode == 2, fewer.stdout[-3000:] + fewer.stderr[-3000:]
     assert _error(fewer) == (
         "pretrain_gpt.py: error: --train-iters (1) is smaller than the iteration of the "
-        f"checkpoint at --load {ckpt}/iter_0000002 (2); give --train-iters 2 or more (or "
-        "--finetune)")
+        f"checkpoint at --load {ckpt}/iter_0000002 (2); give --train-iters 2 or more "
+        "(--train-samples 8 or more) or --finetune")
 
     marker = tmp_path / "marker"
     evil = tmp_path / "evil"

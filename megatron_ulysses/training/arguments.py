@@ -514,7 +514,9 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).
     warmup = ("--lr-warmup-iters" if args.lr_warmup_fraction is None else
               f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters")
-    decay = "--lr-decay-iters" + (" (default --train-iters)" if decay_defaulted else "")
+    steps = ("--train-iters" if args.train_samples is None else
+             f"--train-samples {args.train_samples} / --global-batch-size")
+    decay = "--lr-decay-iters" + (f" (default {steps})" if decay_defaulted else "")
     _require(args.lr_warmup_iters < args.lr_decay_iters or args.skip_train,
              f"{warmup} ({args.lr_warmup_iters} iterations) must be < {decay} "
              f"({args.lr_decay_iters}); shorten the warmup or raise --lr-decay-iters")

@@ -634,9 +634,11 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     model_only = optimizer is None or flags.finetune
     train_iters = config.training.train_iters
     if optimizer is not None and not flags.finetune and iteration > train_iters:
+        samples = iteration * config.training.global_batch_size
         raise ConfigError(f"--train-iters ({train_iters}) is smaller than the iteration "
                           f"of the checkpoint at --load {path} ({iteration}); give "
-                          f"--train-iters {iteration} or more (or --finetune)")
+                          f"--train-iters {iteration} or more (--train-samples {samples} or "
+                          f"more) or --finetune")
 
     with_optimizer = not (model_only or flags.no_load_optim)
     if with_optimizer:
