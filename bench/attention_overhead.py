@@ -144,15 +144,35 @@ def sdpa_gqa_variants(q, k, v, rep):
         return F.scaled_dot_product_attention(*map(to_bhsd, (q, k, v)), is_causal=True,
                                               enable_gqa=True)
 
+    def gqa_pinned(kernel):
+        def fn(q, k, v):
+            with sdpa_kernel(kernel):
+                return gqa(q, k, v)
+        return fn
+
     variants = {
         "sdpa expand kv (default dispatch)": expanded,
         "sdpa enable_gqa=True (default dispatch)": gqa,
+        "sdpa enable_gqa=True, cuDNN pinned": gqa_pinned(SDPBackend.CUDNN_ATTENTION),
+        "sdpa enable_gqa=True, flash pinned": gqa_pinned(SDPBackend.FLASH_ATTENTION),
         "sdpa expand kv, cuDNN pinned": pinned(SDPBackend.CUDNN_ATTENTION),
         "sdpa expand kv, flash pinned": pinned(SDPBackend.FLASH_ATTENTION),
         "sdpa expand kv, cuDNN first (set_priority)": cudnn_first,
     }
     return {name: (lambda fn: lambda q, k, v: fn(q, k, v).permute(2, 0, 1, 3))(fn)
             for name, fn in variants.items()}
+
+
+def attention_kernels(run) -> list:
+    """Names (first 60 characters) of the GPU kernels taking most time in one call of `run`: the
+    attention kernels, to tell which one a dispatch picked."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total)
+    return [e.key[:60] for e in events[:2]]
 
 
 def main():
@@ -233,9 +253,10 @@ def main():
                 print(f"s={s:6d} {name}: not run ({str(exc).splitlines()[0][:120]})", flush=True)
         for name, seconds in t.items():
             row = {"s": s, "variant": name, "seconds": seconds,
-                   "tflops": flops / seconds / 1e12}
+                   "tflops": flops / seconds / 1e12, "kernels": attention_kernels(runs[name])}
             results.setdefault("gqa_rows", []).append(row)
-            print(f"s={s:6d} {name:45s} {row['tflops']:6.1f} TFLOP/s", flush=True)
+            print(f"s={s:6d} {name:45s} {row['tflops']:6.1f} TFLOP/s  {row['kernels']}",
+                  flush=True)
         try:
             choice = torch._fused_sdp_choice(*(t.permute(1, 2, 0, 3) for t in (
                 q, k.repeat_interleave(heads // groups, 2), v.repeat_interleave(heads // groups, 2))),

@@ -188,7 +188,7 @@ class MaskedGPTModel(GPTModel):
 
 
 def build_stock(config):
-    """megatron-core's GPTModel (TE spec for the te backend, else the local spec) at
+    """megatron-core's GPTModel (TE spec with TE's layers, else the local spec) at
     `stock_transformer_config`, wrapped as Megatron-LM's get_model wraps it (Float16Module for
     bf16/fp16, DDP with an fp32 grad buffer), weights from the run's seed as ours; the trainer's
     optimizer and scheduler. Returns (model, optimizer, scheduler)."""
@@ -196,7 +196,7 @@ def build_stock(config):
     if config.dims.sp != 1:
         raise ValueError("stock megatron-core has no Ulysses SP: --ulysses-sp-size must be 1")
     mcore_config = stock_transformer_config(model)
-    if model.ulysses_attention_backend == "te":
+    if model.transformer_impl == "transformer_engine":
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=model.qk_layernorm)
         model_class = GPTModel

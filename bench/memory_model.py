@@ -442,14 +442,14 @@ class Profile:
         model, mcore = config.model, gpt.config
         cuda = torch.cuda.is_available()
         backend = model.ulysses_attention_backend
-        spec = "te" if backend == "te" else "local"
+        spec = "te" if model.transformer_impl == "transformer_engine" else "local"
         norm = "te" if spec == "te" else ("torch-cuda" if cuda else "torch-cpu")
         fused_ce = bool(mcore.cross_entropy_loss_fusion) and mcore.cross_entropy_fusion_impl == "te"
         return cls(e=2 if (model.bf16 or model.fp16) else 4, spec=spec, attention=backend,
                    norm=norm, rope_fused=bool(mcore.apply_rope_fusion),
                    swiglu_fused=bool(mcore.bias_activation_fusion),
                    cross_entropy="te" if fused_ce else "unfused",
-                   verified=(backend == "te") == cuda)
+                   verified=(backend == "te") == cuda == (spec == "te"))
 
 
 @dataclass(frozen=True)

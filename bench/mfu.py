@@ -15,17 +15,20 @@ Variants (keys for --variants / --skip; flags added to the base flags):
                      Megatron-LM's default fusions + TE's fused cross entropy
     stock-full       + full recompute (uniform, 1 layer per checkpoint)
     ours             the trainer (pretrain_gpt.py's build), same flags
+    ours-sdpa        + --ulysses-attention-backend sdpa (torch's SDPA, native GQA, in TE's
+                     layers): on the H200 at head dim 64, 15% faster than TE's attention at 8K
     ours-tiled       + TiledMLP + tiled loss (auto tiles), no recompute
     ours-selective   + --recompute-granularity selective (megatron-core's default module:
-                     core_attn; the trainer has no --recompute-modules)
+                     core_attn)
+    ours-mlp         + --recompute-granularity selective --recompute-modules mlp + tiled loss
     ours-full        + full recompute
     ours-full-tiled  + full recompute + TiledMLP + tiled loss + activation offload
 
-Default --skip, so that the H200 command fits its ~9 minutes (the steps take about 7.5 minutes
-at BASELINES.md's throughputs, plus start-up and builds): at 8K the full-recompute variants (everything fits
-without, recompute only costs); at 32K ours-full-tiled; at 128K stock, ours and ours-selective
-(no recompute OOMs at 128K, BASELINES.md) and ours-full-tiled (the slowest, ~100 s;
-max_seq_len.py measures it). `--skip ""` runs everything.
+Default --skip (DEFAULT_PLAN), so that the H200 command fits one ~9-minute device call: each
+side's candidates for best at each s, as measured on 2026-12-04/06. Left out: at 8K and 32K every
+recompute and TiledMLP variant (everything fits without; they only cost: section 3 of
+bench/RESULTS.md), at 128K the variants without recompute (OOM) and the slower full-recompute
+ones of ours. `--skip ""` runs everything.
 
 MFU = model FLOPs per step (harness.model_flops x micro batches; recompute not counted) / median
 step seconds / 989 TFLOP/s. `summary`: per s, each side's best variant that fit, and ours/stock.
@@ -50,15 +53,21 @@ VARIANTS = {  # key: (label, flags); a label starts with its side
     "stock": ("stock", ()),
     "stock-full": ("stock + full recompute", harness.FULL_RECOMPUTE),
     "ours": ("ours", ()),
+    "ours-sdpa": ("ours + SDPA attention", ("--ulysses-attention-backend", "sdpa")),
     "ours-tiled": ("ours + TiledMLP + tiled loss", harness.TILED_MLP + harness.TILED_LOSS),
     "ours-selective": ("ours + selective recompute", harness.SELECTIVE_RECOMPUTE),
+    "ours-mlp": ("ours + selective recompute (mlp) + tiled loss",
+                 harness.SELECTIVE_RECOMPUTE + ("--recompute-modules", "mlp") + harness.TILED_LOSS),
     "ours-full": ("ours + full recompute", harness.FULL_RECOMPUTE),
     "ours-full-tiled": ("ours + full recompute + TiledMLP + tiled loss + offload",
                         harness.FULL_RECOMPUTE + harness.TILED_MLP + harness.TILED_LOSS
                         + harness.OFFLOAD),
 }
-DEFAULT_SKIP = ("8192:stock-full,8192:ours-full,8192:ours-full-tiled,32768:ours-full-tiled,"
-                "131072:stock,131072:ours,131072:ours-selective,131072:ours-full-tiled")
+# What runs by default (the rest is --skip'ped): each side's candidates for best at each s.
+DEFAULT_PLAN = {8192: ("stock", "ours", "ours-sdpa"), 32768: ("stock", "ours", "ours-sdpa"),
+                131072: ("stock-full", "ours-tiled", "ours-mlp")}
+DEFAULT_SKIP = ",".join(f"{seq}:{key}" for seq, keys in DEFAULT_PLAN.items() for key in VARIANTS
+                        if key not in keys)
 
 
 def measure(key, seq, shape, args, batch) -> dict:

@@ -41,16 +41,24 @@ class SequenceParallelTorchNorm:
 
 
 def get_gpt_layer_ulysses_spec(
-    backend: str = "auto", normalization: str = "LayerNorm", qk_layernorm: bool = False
+    backend: str = "auto", normalization: str = "LayerNorm", qk_layernorm: bool = False,
+    transformer_impl: str = "auto",
 ) -> ModuleSpec:
-    """megatron-core's GPT layer spec with `UlyssesAttention` as core attention."""
+    """megatron-core's GPT layer spec with `UlyssesAttention` as core attention: Transformer
+    Engine's layers (`transformer_impl` "transformer_engine"; "auto": with the te backend) or
+    megatron-core's local ones, around any backend's attention."""
     backend = resolve_backend(backend)
-    if backend == "te":
+    if transformer_impl == "auto":
+        transformer_impl = "transformer_engine" if backend == "te" else "local"
+    if transformer_impl == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    elif backend == "te":
+        raise ValueError("--ulysses-attention-backend te runs in Transformer Engine's layers "
+                         "(--transformer-impl transformer_engine)")
     else:
         spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
     spec = copy.deepcopy(spec)
@@ -76,13 +84,15 @@ class UlyssesGPTModel(TiledLossGPTModelMixin, GPTModel):
 
 def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: str = "auto",
                     pre_process: bool = True, post_process: bool = True,
-                    tiled_mlp_shards=None, **gpt_kwargs):
-    """A `UlyssesGPTModel` with the Ulysses layer spec for `backend`; `tiled_mlp_shards`
-    (None = off) runs the MLP over sequence tiles, other kwargs go to `GPTModel`. The heads are
-    checked against TP x SP here, once (the exchanges check the tensors' shapes)."""
+                    tiled_mlp_shards=None, transformer_impl: str = "auto", **gpt_kwargs):
+    """A `UlyssesGPTModel` with the Ulysses layer spec for `backend` and `transformer_impl`;
+    `tiled_mlp_shards` (None = off) runs the MLP over sequence tiles, other kwargs go to
+    `GPTModel`. The heads are checked against TP x SP here, once (the exchanges check the
+    tensors' shapes)."""
     ps.get_parallel_dims().validate_model(config.num_attention_heads, config.num_query_groups)
     spec = get_gpt_layer_ulysses_spec(
-        backend, normalization=config.normalization, qk_layernorm=config.qk_layernorm
+        backend, normalization=config.normalization, qk_layernorm=config.qk_layernorm,
+        transformer_impl=transformer_impl,
     )
     if tiled_mlp_shards is not None:
         spec = tiled_mlp_layer_spec(spec, tiled_mlp_shards)

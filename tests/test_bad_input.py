@@ -127,7 +127,8 @@ if not TE:
         (BASE + ["--ulysses-attention-backend", "te"],
          ["--ulysses-attention-backend te needs Transformer Engine", "sdpa", "local"]),
         (BASE + ["--transformer-impl", "transformer_engine"],
-         ["--ulysses-attention-backend te", "--transformer-impl transformer_engine", "sdpa"]),
+         ["--transformer-impl transformer_engine needs Transformer Engine",
+          "--transformer-impl local"]),
     ]
 
 

@@ -17,11 +17,13 @@ import signal
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import plot_run
 import pytest
 from conftest import REPO_ROOT
 
+from megatron_ulysses.training import arguments
 from megatron_ulysses.training.arguments import ConfigError, parse_args
 
 MODEL = [
@@ -265,19 +267,45 @@ def test_megatron_lm_compatibility_flags():
     args = parse_args(BASE + ["--use-mcore-models", "--log-throughput", "--use-flash-attn",
                               "--transformer-impl", "local", "--lr-warmup-fraction", "0.5",
                               "--ckpt-format", "torch_dist"], world_size=1)
-    assert args.model.ulysses_attention_backend == "local"
+    assert (args.model.transformer_impl, args.model.ulysses_attention_backend) == ("local", "sdpa")
     assert args.optimizer.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
     i = BASE.index("--train-iters")
     argv = BASE[:i] + BASE[i + 2:] + ["--train-samples", "10", "--global-batch-size", "5"]
     assert parse_args(argv, world_size=1).training.train_iters == 2
     with pytest.raises(ConfigError, match="one of --train-iters and --train-samples"):
         parse_args(BASE + ["--train-samples", "10"], world_size=1)
-    with pytest.raises(ConfigError, match="--transformer-impl local contradicts"):
-        parse_args(BASE + ["--transformer-impl", "local", "--ulysses-attention-backend", "sdpa"],
-                   world_size=1)
     with pytest.raises(ConfigError, match="--lr-warmup-fraction or --lr-warmup-iters"):
         parse_args(BASE + ["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "1"],
                    world_size=1)
+
+
+@pytest.mark.parametrize("argv, layers, attention", [
+    ([], "transformer_engine", "te"),
+    (["--ulysses-attention-backend", "sdpa"], "transformer_engine", "sdpa"),
+    (["--ulysses-attention-backend", "local"], "transformer_engine", "local"),
+    (["--transformer-impl", "local"], "local", "sdpa"),
+    (["--transformer-impl", "local", "--ulysses-attention-backend", "local"], "local", "local"),
+])
+def test_transformer_impl_picks_the_layers_and_the_backend_the_attention(argv, layers,
+                                                                          attention):
+    """Where TE and CUDA are (as on a GPU node), TE's layers are the default around any
+    attention backend; without them, the local layers around SDPA."""
+    with mock.patch.object(arguments, "te_available", return_value=True), \
+            mock.patch.object(arguments, "resolve_backend", side_effect=lambda name: name):
+        args = arguments.build_parser().parse_args(BASE + argv)
+        model = arguments.validate_args(args, world_size=1, cuda=True).model
+    assert (model.transformer_impl, model.ulysses_attention_backend) == (layers, attention)
+    cpu = parse_args(BASE + argv, world_size=1).model
+    assert cpu.transformer_impl == "local"
+
+
+def test_te_attention_needs_te_layers():
+    argv = BASE + ["--transformer-impl", "local", "--ulysses-attention-backend", "te"]
+    with mock.patch.object(arguments, "te_available", return_value=True), \
+            mock.patch.object(arguments, "resolve_backend", side_effect=lambda name: name), \
+            pytest.raises(ConfigError, match="--ulysses-attention-backend te runs in Transformer "
+                          "Engine's layers: drop --transformer-impl local"):
+        arguments.validate_args(arguments.build_parser().parse_args(argv), 1, cuda=True)
 
 
 def test_kv_groups_that_do_not_divide_sp_are_refused():

@@ -69,7 +69,12 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
                    "data parallelism); attention heads must divide by TP x P.")
     g.add_argument("--ulysses-attention-backend", choices=("auto",) + BACKENDS, default="auto",
                    help="The attention between the all-to-alls: te (Transformer Engine), sdpa "
-                   "(torch), local (megatron-core); auto = te if installed, else sdpa.")
+                   "(torch), local (megatron-core); auto = te with --transformer-impl "
+                   "transformer_engine, else sdpa.")
+    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
+                   help="The layers around attention (as Megatron-LM): Transformer Engine's "
+                   "(norm fused into the linear layers) or megatron-core's local ones; default "
+                   "transformer_engine where TE and CUDA are there, else local.")
 
     g = parser.add_argument_group("ALST memory features (off by default, exact)")
     g.add_argument("--tiled-mlp-shards", type=_tiles, default=None,
@@ -241,8 +246,6 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
         ("--log-validation-ppl-to-tensorboard", "validation loss goes to TensorBoard"),
     ):
         g.add_argument(flag, action="store_true", help=why)
-    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
-                   help="transformer_engine = --ulysses-attention-backend te, local = local")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
                    help="checkpoints are megatron-core dist_checkpointing (torch_dist)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
@@ -405,6 +408,30 @@ def _check_rope_fusion(args, dims: ParallelDims, cuda: bool, warnings: list) -> 
             f"--no-rope-fusion silences this")
 
 
+
+def _resolve_layers_and_attention(args: argparse.Namespace, cuda: bool) -> None:
+    """Fill in --transformer-impl (the layer spec) and --ulysses-attention-backend (the core
+    attention) from each other: TE's layers wherever TE and CUDA are there, TE's attention in
+    them by default; every backend runs in TE's layers, te only there."""
+    try:  # te without Transformer Engine or CUDA fails here, not when the model is built
+        if args.ulysses_attention_backend != "auto":
+            resolve_backend(args.ulysses_attention_backend)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te_available() and cuda else "local"
+    if args.transformer_impl == "transformer_engine":
+        _require(te_available(), "--transformer-impl transformer_engine needs Transformer Engine "
+                 "(pip install 'megatron_ulysses[te]'); use --transformer-impl local")
+        _require(cuda, "--transformer-impl transformer_engine needs CUDA (Transformer Engine's "
+                 "kernels); on CPU use --transformer-impl local")
+    _require(not (args.transformer_impl == "local" and args.ulysses_attention_backend == "te"),
+             "--ulysses-attention-backend te runs in Transformer Engine's layers: drop "
+             "--transformer-impl local, or use --ulysses-attention-backend sdpa or local")
+    if args.ulysses_attention_backend == "auto":
+        args.ulysses_attention_backend = ("te" if args.transformer_impl == "transformer_engine"
+                                          else "sdpa")
+
 def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunConfig:
     """Check the whole configuration for `world_size` processes, fill in the derived values
     (`num_microbatches`, defaults that depend on other flags) and freeze it. Raises
@@ -497,18 +524,7 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
         _require(args.lr_warmup_iters == 0,
                  "give --lr-warmup-fraction or --lr-warmup-iters, not both")
         args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.transformer_impl is not None:
-        backend = {"transformer_engine": "te", "local": "local"}[args.transformer_impl]
-        _require(args.ulysses_attention_backend in ("auto", backend),
-                 f"--transformer-impl {args.transformer_impl} contradicts "
-                 f"--ulysses-attention-backend {args.ulysses_attention_backend}")
-        args.ulysses_attention_backend = backend
-    try:  # te without Transformer Engine fails here, not when the model is built
-        args.ulysses_attention_backend = resolve_backend(args.ulysses_attention_backend)
-    except ValueError as error:
-        via = (" (--transformer-impl transformer_engine)"
-               if args.transformer_impl == "transformer_engine" else "")
-        raise ConfigError(f"{error}{via}") from None
+    _resolve_layers_and_attention(args, cuda)
     _require(0 <= args.min_lr <= args.lr,
              f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
     # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).

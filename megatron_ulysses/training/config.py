@@ -49,6 +49,7 @@ class ModelConfig:
     bf16: bool
     fp16: bool
     ulysses_attention_backend: str
+    transformer_impl: str  # the layer spec: "transformer_engine" or "local"
     tiled_mlp_shards: Union[int, str, None]  # a count, "auto", or None (off)
     tiled_loss_shards: Union[int, str, None]
     offload_activations: bool

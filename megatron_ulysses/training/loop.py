@@ -132,7 +132,8 @@ def pretrain(config: RunConfig) -> None:
     initialize_distributed(config)
     print_rank_0(f" > world {dims.world_size} = TP {dims.tp} x PP {dims.pp} x DP {dims.dp} x "
                  f"Ulysses SP {dims.sp}; {training.num_microbatches} micro batches per step; "
-                 f"attention backend {model_config.ulysses_attention_backend}; padded vocab "
+                 f"attention backend {model_config.ulysses_attention_backend} in "
+                 f"{model_config.transformer_impl} layers; padded vocab "
                  f"{model_config.padded_vocab_size}")
 
     if training.skip_train:

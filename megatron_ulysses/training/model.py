@@ -94,7 +94,7 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
     with rng.weight_init_streams(seed):
         gpt = build_gpt_model(
             config, model.padded_vocab_size, model.max_position_embeddings,
-            backend=model.ulysses_attention_backend,
+            backend=model.ulysses_attention_backend, transformer_impl=model.transformer_impl,
             pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
             tiled_mlp_shards=model.tiled_mlp_shards, tiled_loss_shards=model.tiled_loss_shards,
             parallel_output=True,

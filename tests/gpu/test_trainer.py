@@ -8,7 +8,9 @@ from the first; each test then checks one property of their logs and checkpoints
   logs the uninterrupted run's digits from 5 on (train and validation loss, grad norm) and ends
   with bitwise-identical weights and optimizer state.
 - The te, sdpa and local backends train the same model to the same losses (bf16 tolerance),
-  also on packed documents (`--reset-attention-mask`: TE's THD path, SDPA per document).
+  also on packed documents (`--reset-attention-mask`: TE's THD path, SDPA per document); sdpa
+  and local run in TE's layers, and SDPA in megatron-core's local ones too
+  (`--transformer-impl local`); a checkpoint of TE attention resumes under SDPA.
 - Full and selective recompute, TiledMLP + tiled loss + offload: same losses as plain training.
 - Megatron-LM's default fusions (on in every te run) against none, and the cross-entropy fusion
   (native and TE): same losses.
@@ -127,6 +129,7 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
                          "te", "--save", str(work / "ckpt_half"), "--exit-interval", "4"], work),
         Run("sdpa", [*MODEL, *RUN, *MOCK, "--ulysses-attention-backend", "sdpa"], work),
         Run("local", [*MODEL, *RUN, *MOCK, "--ulysses-attention-backend", "local"], work),
+        Run("local_layers", [*MODEL, *RUN, *MOCK, "--transformer-impl", "local"], work),
         Run("packed_te", [*MODEL, *RUN, *packed, "--ulysses-attention-backend", "te"], work),
         Run("packed_sdpa", [*MODEL, *RUN, *packed, "--ulysses-attention-backend", "sdpa"], work),
         Run("full_recompute", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *recompute,
@@ -166,6 +169,8 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
         Run("resumed_plain_optimizer", [*MODEL, *RUN, *MOCK, "--deterministic-mode",
                                         "--ulysses-attention-backend", "te", "--load", half],
             work),
+        Run("resumed_sdpa", [*MODEL, *RUN, *MOCK, "--use-distributed-optimizer",
+                             "--ulysses-attention-backend", "sdpa", "--load", half], work),
         Run("dropout_resumed", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *DROPOUT,
                                 "--load", str(work / "ckpt_dropout")], work),
     ]
@@ -242,9 +247,24 @@ def test_switching_the_optimizer_on_load_is_one_clear_error(runs):
     assert "--no-load-optim" in plain.output and "Traceback" not in plain.output
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "local"])
-def test_backends_agree(runs, backend):
-    _close(runs[backend].check().losses, runs["te"].check().losses, f"{backend} vs te")
+@pytest.mark.parametrize("backend, layers", [("sdpa", "transformer_engine"),
+                                             ("local", "transformer_engine"),
+                                             ("local_layers", "local")])
+def test_backends_agree(runs, backend, layers):
+    run = runs[backend].check()
+    attention = "sdpa" if backend == "local_layers" else backend
+    assert f"attention backend {attention} in {layers} layers" in run.output
+    _close(run.losses, runs["te"].check().losses, f"{backend} vs te")
+
+
+def test_te_attention_checkpoint_resumes_under_sdpa(runs):
+    """TE's attention keeps an `_extra_state` SDPA has not: the checkpoint loads without it and
+    training goes on from iteration 5 as the TE run did (bf16 tolerance)."""
+    resumed = runs["resumed_sdpa"].check()
+    assert "loaded checkpoint" in resumed.output
+    assert sorted(resumed.losses) == [5, 6, 7, 8]
+    te = runs["te"].check().losses
+    _close(resumed.losses, {i: te[i] for i in resumed.losses}, "te checkpoint resumed by sdpa")
 
 
 def test_packed_documents_te_thd_and_sdpa_agree(runs):
