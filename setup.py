@@ -10,6 +10,7 @@ setup(
         "torch>=2.4",
         "megatron-core>=0.16,<0.20",
         "sentencepiece",
+        "tokenizers",  # --tokenizer-type GPT2BPETokenizer (GPT-2's byte-level BPE)
         "numpy",
         "psutil",  # megatron-core's dist_checkpointing imports it when it saves
         "tensorboard",  # --tensorboard-dir
@@ -23,6 +24,7 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "deepspeed": ["deepspeed"],
         "hf": ["transformers>=4.45", "safetensors"],  # Hugging Face import / export
-        "test": ["pytest", "transformers>=4.45", "safetensors"],
+        # regex: the GPT-2 reference encoder in tests/test_tokenizers.py (\p{L}, \p{N})
+        "test": ["pytest", "transformers>=4.45", "safetensors", "regex"],
     },
 )

@@ -1,6 +1,8 @@
-"""Session fixtures shared by the data, tool and CLI tests: a tiny sentencepiece model trained on
-the bundled corpus, and that corpus preprocessed into a megatron-core indexed dataset."""
+"""Session fixtures shared by the data, tool and CLI tests: a tiny sentencepiece model and a tiny
+GPT-2 byte-level BPE trained on the bundled corpus, and that corpus preprocessed into a
+megatron-core indexed dataset."""
 
+import json
 import sys
 from pathlib import Path
 
@@ -35,6 +37,21 @@ def sp_model(tmp_path_factory) -> str:
         ["--input", str(CORPUS), "--output-prefix", prefix, "--vocab-size", str(TINY_VOCAB)]
     ) == 0
     return prefix + ".model"
+
+
+@pytest.fixture(scope="session")
+def gpt2_files(tmp_path_factory):
+    """``(vocab.json, merges.txt)`` of a GPT-2-style byte-level BPE (all 256 byte symbols,
+    ``<|endoftext|>``) trained on the bundled corpus, as GPT-2's files are laid out."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(texts, vocab_size=600, min_frequency=2,  # with the 256 bytes
+                            special_tokens=["<|endoftext|>"])
+    folder = tmp_path_factory.mktemp("gpt2_bpe")
+    vocab, merges = bpe.save_model(str(folder))
+    return vocab, merges
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@
 - Bad configurations fail with one message naming the flag, before any process group exists.
 """
 
+import json
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from unittest import mock
 
 import plot_run
 import pytest
-from conftest import REPO_ROOT
+from conftest import CORPUS, REPO_ROOT
 
 from megatron_ulysses.training import arguments
 from megatron_ulysses.training.arguments import ConfigError, parse_args
@@ -84,6 +85,35 @@ def test_sp_and_dp_x_sp_match_sp1_every_iteration(data_flags):
             assert got[iteration] == pytest.approx(loss, rel=2e-6), (nproc, sp, iteration)
         assert validation(result) == pytest.approx(validation(reference), rel=2e-6)
         assert len(validation(result)) == 2
+
+
+def test_gpt2_bpe_data_as_megatron_lm_makes_it(gpt2_files, tmp_path):
+    """Megatron-LM's GPT-2 recipe: preprocess_data.py and pretrain_gpt.py with
+    --tokenizer-type GPT2BPETokenizer --vocab-file --merge-file; SP 2 equals SP 1."""
+    vocab_file, merge_file = gpt2_files
+    gpt2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab_file,
+            "--merge-file", merge_file]
+    prefix = tmp_path / "gpt2"
+    made = subprocess.run([sys.executable, "tools/preprocess_data.py", "--input", str(CORPUS),
+                           "--output-prefix", str(prefix), "--append-eod", "--workers", "2",
+                           *gpt2], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-3000:]
+    record = json.loads((tmp_path / "gpt2_text_document.tokenizer.json").read_text())
+    assert record["tokenizer_model"] == f"{vocab_file} + {merge_file}"
+    flags = ["--data-path", f"{prefix}_text_document", "--split", "90,10,0", *gpt2,
+             "--train-iters", "4", "--eval-iters", "0", "--data-cache-path",
+             str(tmp_path / "cache")]
+    expected = losses(launch(1, *flags))
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert losses(launch(2, *flags, "--ulysses-sp-size", "2")) == pytest.approx(expected,
+                                                                                 rel=2e-6)
+    wrong = subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN,
+                            *flags, "--tokenizer-model", vocab_file],
+                           capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2, wrong.stdout[-3000:] + wrong.stderr[-3000:]
+    assert wrong.stderr.strip() == ("pretrain_gpt.py: error: --tokenizer-model is not used by "
+                                    "--tokenizer-type GPT2BPETokenizer; drop it, or give the "
+                                    "type that uses it")
 
 
 def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
@@ -182,10 +212,24 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     assert process.returncode == 0, output[-3000:]
     saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
     assert saved >= 2 and (ckpt / f"iter_{saved:07d}").is_dir()
-    assert f"exiting at iteration {saved}" in output
+    assert f"exiting at iteration {saved} (SIGTERM received)" in output
     logged = plot_run.read_tensorboard(str(tmp_path / "tb"))
     assert [i for i, _ in logged["loss"]] == list(range(1, saved + 1))
     assert {"lr", "throughput", "memory"} <= logged.keys()
+
+
+def test_exit_duration_saves_and_exits_on_every_rank_at_once(tmp_path):
+    """--exit-duration-in-mins (Megatron-LM's, for a job's time limit): past it, every rank
+    stops after the same iteration and a checkpoint is saved; the run resumes from it."""
+    ckpt = tmp_path / "ckpt"
+    flags = ["--mock-data", "--vocab-size", "256", "--eval-iters", "0", "--save", str(ckpt),
+             "--ulysses-sp-size", "2", "--train-iters", "50"]
+    stopped = launch(2, *flags, "--exit-duration-in-mins", "1e-9")
+    assert sorted(losses(stopped)) == [1]
+    assert "exiting at iteration 1 (--exit-duration-in-mins 1e-09 passed)" in stopped.stdout
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "1"
+    resumed = launch(2, *flags, "--load", str(ckpt), "--exit-interval", "3")
+    assert sorted(losses(resumed)) == [2, 3]
 
 
 def test_a_nan_gradient_stops_the_run_before_its_update(tmp_path):
@@ -266,8 +310,26 @@ def test_bad_configuration_names_the_flag(argv, world, message):
 def test_megatron_lm_compatibility_flags():
     args = parse_args(BASE + ["--use-mcore-models", "--log-throughput", "--use-flash-attn",
                               "--transformer-impl", "local", "--lr-warmup-fraction", "0.5",
-                              "--ckpt-format", "torch_dist"], world_size=1)
+                              "--ckpt-format", "torch_dist",
+                              "--no-create-attention-mask-in-dataloader"], world_size=1)
     assert (args.model.transformer_impl, args.model.ulysses_attention_backend) == ("local", "sdpa")
+    old_rope = parse_args([*BASE, "--position-embedding-type", "learned_absolute",
+                           "--use-rotary-position-embeddings", "--no-position-embedding"],
+                          world_size=1)
+    assert old_rope.model.position_embedding_type == "rope"
+    with pytest.raises(ConfigError, match="--no-position-embedding leaves no position "
+                       "information with --position-embedding-type learned_absolute"):
+        parse_args([*BASE, "--position-embedding-type", "learned_absolute",
+                    "--no-position-embedding"], world_size=1)
+    local = parse_args(BASE + ["--attention-backend", "local"], world_size=1).model
+    assert (local.ulysses_attention_backend, local.attention_backend) == ("local", "local")
+    with pytest.raises(ConfigError, match="--attention-backend fused runs "
+                       "--ulysses-attention-backend te, not sdpa; drop one of the two"):
+        parse_args(BASE + ["--attention-backend", "fused", "--ulysses-attention-backend",
+                           "sdpa"], world_size=1)
+    with pytest.raises(ConfigError, match="--exit-duration-in-mins saves before exiting: it "
+                       "needs --save"):
+        parse_args(BASE + ["--exit-duration-in-mins", "10"], world_size=1)
     assert args.optimizer.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
     i = BASE.index("--train-iters")
     argv = BASE[:i] + BASE[i + 2:] + ["--train-samples", "10", "--global-batch-size", "5"]

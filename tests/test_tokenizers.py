@@ -143,8 +143,8 @@ def test_not_a_sentencepiece_model_names_flag(tmp_path, tokenizer_type):
 
 
 def test_unknown_type_names_flag_and_choices():
-    with pytest.raises(ValueError, match="--tokenizer-type 'GPT2BPETokenizer'.*NullTokenizer"):
-        build_tokenizer("GPT2BPETokenizer", "vocab.json")
+    with pytest.raises(ValueError, match="--tokenizer-type 'TikTokenizer'.*NullTokenizer"):
+        build_tokenizer("TikTokenizer", "vocab.json")
 
 
 @pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"])
@@ -195,3 +195,99 @@ def test_train_tokenizer_reports_vocab_too_large(tmp_path):
         train_tokenizer.main(
             ["--input", str(corpus), "--output-prefix", str(tmp_path / "x"), "--vocab-size", "5000"]
         )
+
+
+# ------------------------------------------------------------------ GPT2BPETokenizer
+
+
+def _bytes_to_unicode():
+    """GPT-2's byte -> printable character table (openai/gpt-2, encoder.py)."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = list(printable), 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return dict(zip(printable, map(chr, chars)))
+
+
+def reference_gpt2_encode(text, vocab_file, merge_file):
+    """GPT-2's encoder as OpenAI wrote it (and Megatron-LM copied it): regex split, bytes to
+    characters, then the lowest-ranked merge first until none applies."""
+    import regex
+
+    encoder = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    lines = Path(merge_file).read_text(encoding="utf-8").split("\n")[1:-1]
+    ranks = {tuple(line.split()): i for i, line in enumerate(lines)}
+    byte_encoder = _bytes_to_unicode()
+    pattern = regex.compile(r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+"""
+                            r"""|\s+(?!\S)|\s+""")
+    ids = []
+    for piece in pattern.findall(text):
+        word = tuple(byte_encoder[b] for b in piece.encode("utf-8"))
+        while len(word) > 1:
+            pairs = {(word[i], word[i + 1]) for i in range(len(word) - 1)}
+            best = min(pairs, key=lambda pair: ranks.get(pair, float("inf")))
+            if best not in ranks:
+                break
+            merged, i = [], 0
+            while i < len(word):
+                if i < len(word) - 1 and (word[i], word[i + 1]) == best:
+                    merged.append(word[i] + word[i + 1])
+                    i += 2
+                else:
+                    merged.append(word[i])
+                    i += 1
+            word = tuple(merged)
+        ids.extend(encoder[token] for token in word)
+    return ids
+
+
+GPT2_TEXTS = [
+    "Hello world, it's 2026: the model's context is 131072 tokens.",
+    "  leading spaces,\ttabs and\nnew lines  \n\n",
+    "naïve café — déjà vu ½ ∑ 東京 🙂",
+    "literal <|endoftext|> stays text, as in Megatron-LM",
+]
+
+
+def test_gpt2_bpe_matches_the_reference_encoder(gpt2_files):
+    vocab_file, merge_file = gpt2_files
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file, merge_file=merge_file)
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    assert tokenizer.vocab_size == len(vocab)
+    assert tokenizer.eod == vocab["<|endoftext|>"]
+    check_for_training(tokenizer, "GPT2BPETokenizer")
+    corpus = [json.loads(line)["text"] for line in CORPUS.read_text().splitlines()[:20]]
+    for text in GPT2_TEXTS + corpus:
+        ids = tokenizer.tokenize(text)
+        assert ids == reference_gpt2_encode(text, vocab_file, merge_file), text
+        assert tokenizer.detokenize(ids) == text
+    assert tokenizer.eod not in tokenizer.tokenize(GPT2_TEXTS[-1])
+
+
+def test_gpt2_bpe_bad_files_name_the_flag(gpt2_files, tmp_path):
+    vocab_file, merge_file = gpt2_files
+    with pytest.raises(ValueError, match="GPT2BPETokenizer needs --merge-file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file)
+    with pytest.raises(ValueError, match="needs --vocab-file; .*nope.* is not a file"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "nope"),
+                        merge_file=merge_file)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="--vocab-file .*bad.json.* is not GPT-2's vocab.json"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "bad.json"),
+                        merge_file=merge_file)
+    (tmp_path / "bad.txt").write_text("#version: 0.2\nĠ t\nnot-a-pair\n")
+    with pytest.raises(ValueError, match="--merge-file .*bad.txt.* line 3 .*not a merge"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=vocab_file,
+                        merge_file=str(tmp_path / "bad.txt"))
+    vocab = json.loads(Path(vocab_file).read_text(encoding="utf-8"))
+    eod = vocab.pop("<|endoftext|>")
+    vocab = {token: i - (i > eod) for token, i in vocab.items()}
+    (tmp_path / "no_eod.json").write_text(json.dumps(vocab))
+    tokenizer = build_tokenizer("GPT2BPETokenizer", vocab_file=str(tmp_path / "no_eod.json"),
+                                merge_file=merge_file)
+    with pytest.raises(ValueError, match="--vocab-file .*no_eod.json.* has no <\\|endoftext\\|>"):
+        check_for_training(tokenizer, "GPT2BPETokenizer")

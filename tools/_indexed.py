@@ -42,6 +42,9 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
     return wrapper
 
 
+_TERMINATED = []  # the signal that asked the main process to stop, once one has
+
+
 def exit_on_sigterm() -> None:
     """Make SIGTERM (scancel, a SLURM time limit) unwind the calling process like Ctrl-C, so that
     temporary files are removed, with exit status 143; forked pool workers still just die."""
@@ -50,9 +53,18 @@ def exit_on_sigterm() -> None:
     def handler(signum, frame):
         if os.getpid() != main_pid:
             os._exit(128 + signum)
+        _TERMINATED.append(signum)
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
+
+
+def exit_if_terminated() -> None:
+    """Raise the SIGTERM exit again where its first one was swallowed: Python ignores exceptions
+    raised inside some callbacks (logging's fork handler, when the signal lands as a pool
+    starts), so the work loops and ``Staged.publish`` ask again."""
+    if _TERMINATED:
+        raise SystemExit(128 + _TERMINATED[0])
 
 
 def dataset_files(prefix: str) -> Tuple[str, str, str]:
@@ -71,6 +83,7 @@ class Staged:
         return self
 
     def publish(self) -> None:
+        exit_if_terminated()
         for path, tmp in self.tmp.items():
             os.replace(tmp, path)
 
@@ -101,15 +114,21 @@ def check_dataset(prefix: str, flag: str) -> DatasetInfo:
 
 
 def load_tokenizer(args):
-    """``build_tokenizer`` for a tool's ``--tokenizer-type/--tokenizer-model/--vocab-size``."""
-    from megatron_ulysses.data.tokenizers import build_tokenizer
+    """The tokenizer of a tool's tokenizer flags (``add_tokenizer_arguments``)."""
+    from megatron_ulysses.data.tokenizers import (
+        build_tokenizer_from, check_tokenizer_flags, tokenizer_files)
 
     try:
-        return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        check_tokenizer_flags(args)
+    except ValueError as err:
+        raise ToolError(str(err)) from None
+    try:
+        return build_tokenizer_from(args)
     except (ValueError, ImportError, OSError, RuntimeError) as err:
-        raise ToolError(f"cannot build the tokenizer (--tokenizer-type {args.tokenizer_type}, "
-                        f"--tokenizer-model {args.tokenizer_model!r}, --vocab-size "
-                        f"{args.vocab_size}): {err}") from None
+        flags = ", ".join(f"{flag} {path!r}" for flag, path in tokenizer_files(args).items())
+        raise ToolError(f"cannot build the tokenizer (--tokenizer-type {args.tokenizer_type}"
+                        f"{', ' + flags if flags else ''}, --vocab-size {args.vocab_size}): "
+                        f"{err}") from None
 
 
 def _file_sha256(path: Path) -> bytes:
@@ -134,12 +153,18 @@ def _sha256(path: str) -> str:
 
 
 def tokenizer_record(args, tokenizer) -> Dict:
-    """What the sidecar says about the tokenizer that made a dataset."""
-    model = None if args.tokenizer_type == "NullTokenizer" else args.tokenizer_model
+    """What the sidecar says about the tokenizer that made a dataset: its type, files (one
+    path, or GPT2BPETokenizer's vocab and merges joined by " + ") and their digest."""
+    from megatron_ulysses.data.tokenizers import tokenizer_files
+
+    paths = list(tokenizer_files(args).values())
+    digests = [_sha256(path) for path in paths]
     return {
         "tokenizer_type": args.tokenizer_type,
-        "tokenizer_model": None if model is None else os.path.abspath(model),
-        "tokenizer_model_sha256": None if model is None else _sha256(model),
+        "tokenizer_model": " + ".join(os.path.abspath(p) for p in paths) or None,
+        "tokenizer_model_sha256": (digests[0] if len(digests) == 1 else
+                                   hashlib.sha256("".join(digests).encode()).hexdigest()
+                                   if digests else None),
         "vocab_size": tokenizer.vocab_size,
     }
 

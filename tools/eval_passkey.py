@@ -271,7 +271,7 @@ class Plan:
 def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None) -> Plan:
     """Parse and check the flags, the checkpoint's saved args, the tokenizer and every prompt;
     raises `ConfigError` (argparse errors exit 2)."""
-    from megatron_ulysses.data.tokenizers import build_tokenizer
+    from megatron_ulysses.data.tokenizers import build_tokenizer_from
     from megatron_ulysses.training.checkpointing import read_tracker
 
     raw = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
@@ -285,8 +285,8 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
              "passkey.png are written there")
     _require(args.tokenizer_type not in (None, "NullTokenizer"),
              "--tokenizer-type: the passkey prompt is text; give the model's tokenizer "
-             "(GPTSentencePieceTokenizer, SentencePieceTokenizer or HuggingFaceTokenizer) and "
-             "its --tokenizer-model")
+             "(GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or "
+             "GPT2BPETokenizer) and its files")
     _require(args.micro_batch_size >= 1,
              f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     for name, value in _TRAINING_ONLY.items():
@@ -329,7 +329,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
     arguments.check_writable_dir(args.output_dir, "--output-dir")
 
     try:
-        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        tokenizer = build_tokenizer_from(args)
     except (ValueError, ImportError, OSError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
     config = config.with_padded_vocab_size(arguments.padded_vocab_size(

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES  # noqa: E402
+from megatron_ulysses.data.tokenizers import add_tokenizer_arguments  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -25,10 +25,8 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data-prefix", required=True, help="path without .bin/.idx")
     parser.add_argument("--sample", type=int, default=None, help="document index to print")
-    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
-                        help="decode --sample with this tokenizer (else print ids)")
-    parser.add_argument("--tokenizer-model", default=None)
-    parser.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add_tokenizer_arguments(parser, type_help="decode --sample with this tokenizer (else print "
+                            "ids)")
     return parser.parse_args(argv)
 
 

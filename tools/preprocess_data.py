@@ -21,7 +21,8 @@ from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import TOKENIZER_TYPES, check_for_training  # noqa: E402
+from megatron_ulysses.data.tokenizers import (  # noqa: E402
+    add_tokenizer_arguments, check_for_training)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -29,6 +30,7 @@ from _indexed import (  # noqa: E402
     Staged,
     ToolError,
     dataset_files,
+    exit_if_terminated,
     exit_on_sigterm,
     load_tokenizer,
     reports_errors,
@@ -143,9 +145,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     group.add_argument("--split-sentences", action="store_true", help="not supported")
     group.add_argument("--keep-newlines", action="store_true", help="not supported")
     group = parser.add_argument_group("tokenizer")
-    group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", default=None, help="sentencepiece model / HF dir")
-    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add_tokenizer_arguments(group, type_required=True)
     group.add_argument("--append-eod", action="store_true", help="append EOD to every document")
     group = parser.add_argument_group("output data")
     group.add_argument("--output-prefix", required=True)
@@ -186,6 +186,7 @@ def add_documents(args: argparse.Namespace, encoder: Encoder, builders: Dict,
     skipped: List[Tuple[int, str]] = []
     try:
         for line_no, ids, reason, size in results:
+            exit_if_terminated()
             num_bytes += size
             if ids is None:
                 skipped.append((line_no, reason))

@@ -5,7 +5,7 @@
 which give the same ids in megatron-core 0.16 and 0.19); this module only checks
 ``--tokenizer-model`` first, so that errors name the flag.
 
-Two are ours because megatron-core has no tokenizer with their Megatron-LM ids:
+Three are ours because megatron-core has no tokenizer with their Megatron-LM ids:
 
 * ``SentencePieceTokenizer``: Megatron-LM appends ``<CLS> <SEP> <EOD> <MASK>`` (then pad, bos,
   eos and ``<extra_id_i>``) to the model's pieces and uses ``<EOD>`` as eod, while megatron-core's
@@ -13,6 +13,8 @@ Two are ours because megatron-core has no tokenizer with their Megatron-LM ids:
   eod at all.
 * ``NullTokenizer``: Megatron-LM's has eod = ``--vocab-size`` and ``vocab_size`` one larger,
   which megatron-core's null library gives in 0.16 but not in 0.19 (eod = ``vocab_size - 1``).
+* ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``--vocab-file`` and ``--merge-file``;
+  megatron-core's downloads the files when not given and reads the vocab file as the merges.
 """
 
 import os
@@ -23,8 +25,60 @@ TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
     "HuggingFaceTokenizer",
+    "GPT2BPETokenizer",
     "NullTokenizer",
 )
+
+
+def add_tokenizer_arguments(group, type_required: bool = False, type_help: str = None) -> None:
+    """Megatron-LM's tokenizer flags, for pretrain_gpt.py and the tools."""
+    group.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None,
+                       required=type_required, help=type_help)
+    group.add_argument("--tokenizer-model", default=None,
+                       help="sentencepiece .model file / HuggingFace tokenizer directory")
+    group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+
+
+def tokenizer_files(config: Any) -> Dict[str, str]:
+    """``{flag: path}`` of the files that define the tokenizer of ``config`` (flags as
+    attributes: an argparse namespace, ``DataConfig``)."""
+    if config.tokenizer_type == "NullTokenizer":
+        return {}
+    if config.tokenizer_type == "GPT2BPETokenizer":
+        return {"--vocab-file": config.vocab_file, "--merge-file": config.merge_file}
+    return {"--tokenizer-model": config.tokenizer_model}
+
+
+def check_tokenizer_flags(config: Any) -> None:
+    """The files ``--tokenizer-type`` needs are given and exist, and no other type's files are
+    given with GPT2BPETokenizer nor its files with another type (which reads the wrong files);
+    ``--tokenizer-model`` with NullTokenizer stays ignored, as in Megatron-LM. Raises
+    ``ValueError`` naming the flags."""
+    files = tokenizer_files(config)
+    for flag, path in files.items():
+        if path is None:
+            raise ValueError(f"--tokenizer-type {config.tokenizer_type} needs {flag}")
+        if not os.path.exists(path):
+            raise ValueError(f"{flag} {path!r} does not exist (needed by --tokenizer-type "
+                             f"{config.tokenizer_type}; only local files are used)")
+    unused = [flag for flag, value in (("--vocab-file", config.vocab_file),
+                                       ("--merge-file", config.merge_file),
+                                       ("--tokenizer-model", config.tokenizer_model))
+              if value is not None and flag not in files
+              and not (flag == "--tokenizer-model" and config.tokenizer_type == "NullTokenizer")]
+    if unused:
+        raise ValueError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used "
+                         f"by --tokenizer-type {config.tokenizer_type}; drop "
+                         f"{'it' if len(unused) == 1 else 'them'}, or give the type that uses "
+                         f"{'it' if len(unused) == 1 else 'them'}")
+
+
+def build_tokenizer_from(config: Any):
+    """``build_tokenizer`` for the tokenizer flags of ``config`` (attributes)."""
+    return build_tokenizer(config.tokenizer_type, config.tokenizer_model, config.vocab_size,
+                           vocab_file=config.vocab_file, merge_file=config.merge_file)
 
 
 def _unique_identifiers(tokenizer: Any, path: Optional[str], **options: Any) -> OrderedDict:
@@ -167,6 +221,84 @@ class NullTokenizer:
         raise NotImplementedError("NullTokenizer has no attribute 'pad'")
 
 
+class GPT2BPETokenizer:
+    """Megatron-LM ``GPT2BPETokenizer``: GPT-2's byte-level BPE (``vocab.json`` +
+    ``merges.txt``) run by HuggingFace ``tokenizers``; eod is ``<|endoftext|>``; special
+    tokens written in the text are encoded as text, as Megatron-LM's encoder does."""
+
+    EOD = "<|endoftext|>"
+
+    def __init__(self, vocab_file: str, merge_file: str):
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        except ImportError as err:
+            raise ImportError("--tokenizer-type GPT2BPETokenizer needs the 'tokenizers' package "
+                              "(pip install tokenizers)") from err
+        self.unique_identifiers = _unique_identifiers(self, vocab_file, merge_file=merge_file)
+        self._vocab = self._read_vocab(vocab_file)
+        self._inv_vocab = {i: token for token, i in self._vocab.items()}
+        merges = self._read_merges(merge_file, self._vocab)
+        self.tokenizer = Tokenizer(models.BPE(self._vocab, merges))
+        self.tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        self.tokenizer.decoder = decoders.ByteLevel()
+        self.eod = self.eos = self._vocab.get(self.EOD)
+
+    @staticmethod
+    def _read_vocab(path: str) -> Dict[str, int]:
+        import json
+
+        try:
+            with open(path, encoding="utf-8") as stream:
+                vocab = json.load(stream)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"--vocab-file {path!r} is not GPT-2's vocab.json ({error})") \
+                from None
+        ids = sorted(vocab.values()) if isinstance(vocab, dict) else None
+        if not ids or not all(isinstance(i, int) for i in ids) or ids != list(range(len(ids))):
+            raise ValueError(f"--vocab-file {path!r} is not GPT-2's vocab.json: it must map "
+                             "tokens to the ids 0 .. n-1")
+        return vocab
+
+    @staticmethod
+    def _read_merges(path: str, vocab: Dict[str, int]) -> List[tuple]:
+        """The merge rules of a ``merges.txt`` (a ``#version`` first line is skipped)."""
+        merges = []
+        try:
+            with open(path, encoding="utf-8") as stream:
+                lines = stream.read().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"--merge-file {path!r} is not GPT-2's merges.txt ({error})") \
+                from None
+        for line_no, line in enumerate(lines, start=1):
+            if not line.strip() or (line_no == 1 and line.startswith("#version")):
+                continue
+            pair = line.split(" ")
+            if len(pair) != 2 or "".join(pair) not in vocab:
+                raise ValueError(f"--merge-file {path!r} line {line_no} ({line[:40]!r}) is not a "
+                                 "merge of two tokens into one of --vocab-file's; give the "
+                                 "merges.txt that belongs to the vocab.json")
+            merges.append(tuple(pair))
+        return merges
+
+    def tokenize(self, text: str) -> List[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+
 def _gpt_sentencepiece_tokenizer(model_file: str):
     """megatron-core's sentencepiece tokenizer: the model's own ids, ``eod == eos``; ``pad``
     is the model's pad id, -1 when it has none (as in Megatron-LM's
@@ -232,11 +364,15 @@ def build_tokenizer(
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
     vocab_extra_ids: int = 0,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
 
     ``tokenizer_model`` (``--tokenizer-model``) is a sentencepiece ``.model`` file or a local
-    HuggingFace tokenizer directory; ``vocab_size`` (``--vocab-size``) is for ``NullTokenizer``.
+    HuggingFace tokenizer directory; ``vocab_size`` (``--vocab-size``) is for ``NullTokenizer``;
+    ``vocab_file`` and ``merge_file`` (``--vocab-file``, ``--merge-file``) for
+    ``GPT2BPETokenizer``.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
@@ -249,6 +385,12 @@ def build_tokenizer(
                 f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size!r})"
             )
         return NullTokenizer(int(vocab_size))
+    if tokenizer_type == "GPT2BPETokenizer":
+        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
+            if path is None or not os.path.isfile(path):
+                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag}" + (
+                    "" if path is None else f"; {path!r} is not a file"))
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_model is None:
         raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
     if not os.path.exists(tokenizer_model):
@@ -267,9 +409,15 @@ def check_for_training(tokenizer: Any, tokenizer_type: str,
                        tokenizer_model: Optional[str] = None) -> None:
     """What pretraining needs beyond a loadable tokenizer: an end-of-document id inside the
     vocabulary (megatron-core's datasets, ``--eod-mask-loss``, ``--reset-*`` and the SP padding
-    all use it). Raises ``ValueError`` naming ``--tokenizer-model``."""
+    all use it). Raises ``ValueError`` naming ``--tokenizer-model`` (``--vocab-file`` for
+    GPT2BPETokenizer, whose eod is ``<|endoftext|>``)."""
     eod = _special_id(tokenizer, "eod")
     if eod is None or not 0 <= eod < tokenizer.vocab_size:
+        if tokenizer_type == "GPT2BPETokenizer":
+            raise ValueError(
+                f"--vocab-file {tokenizer.unique_identifiers['tokenizer_path']!r} has no "
+                f"{GPT2BPETokenizer.EOD} token, GPT2BPETokenizer's end-of-document id; give "
+                "GPT-2's vocab.json or one with that token")
         source = f"--tokenizer-model {tokenizer_model!r}" if tokenizer_model else "the tokenizer"
         raise ValueError(
             f"{source} has no end-of-document id (--tokenizer-type {tokenizer_type} uses the "

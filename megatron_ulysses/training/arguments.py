@@ -13,7 +13,7 @@ import torch
 
 from ..backends import BACKENDS, resolve_backend, te_available
 from ..data.datasets import parse_data_path, parse_split
-from ..data.tokenizers import TOKENIZER_TYPES
+from ..data.tokenizers import add_tokenizer_arguments, check_tokenizer_flags
 from ..memory.tiling import check_num_tiles
 from ..parallel_state import ParallelDims
 from ..rope import fused_rope_fits
@@ -208,6 +208,9 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=100)
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
+    g.add_argument("--exit-duration-in-mins", type=_number, default=None,
+                   help="save a checkpoint (needs --save) and exit once the run has taken this "
+                   "many minutes (checked after every iteration, the same on every rank)")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM: save a checkpoint (needs --save) and exit")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
@@ -228,9 +231,7 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
-    g.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES, default=None)
-    g.add_argument("--tokenizer-model", type=str, default=None)
-    g.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
+    add_tokenizer_arguments(g)
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -244,8 +245,19 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
         ("--attention-softmax-in-fp32", "the attention backends keep softmax in fp32"),
         ("--no-masked-softmax-fusion", "no masked-softmax fusion is used"),
         ("--log-validation-ppl-to-tensorboard", "validation loss goes to TensorBoard"),
+        ("--no-create-attention-mask-in-dataloader", "the loader builds no attention mask: "
+         "attention is causal (within documents with --reset-attention-mask)"),
+        ("--no-position-embedding", "no learned position embedding: needs "
+         "--position-embedding-type rope"),
     ):
         g.add_argument(flag, action="store_true", help=why)
+    g.add_argument("--use-rotary-position-embeddings", action="store_const",
+                   dest="position_embedding_type", const="rope",
+                   help="= --position-embedding-type rope (Megatron-LM's older flag)")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto", help="Megatron-LM's: flash / fused / unfused pick Transformer "
+                   "Engine's attention kernels (--ulysses-attention-backend te), local is "
+                   "--ulysses-attention-backend local; auto leaves both to their defaults")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
                    help="checkpoints are megatron-core dist_checkpointing (torch_dist)")
     g.add_argument("--tensorboard-log-interval", type=int, default=1,
@@ -328,7 +340,8 @@ def _check_ranges(args) -> None:
     """Range checks of the numeric flags that megatron-core would only trip over later (an
     assert, a hang, NaN losses or a silently different run)."""
     for name in ("ffn_hidden_size", "kv_channels", "max_position_embeddings", "vocab_size",
-                 "lr_decay_iters", "exit_interval", "recompute_num_layers"):
+                 "lr_decay_iters", "exit_interval", "exit_duration_in_mins",
+                 "recompute_num_layers"):
         _check_range(args, name, low=0, low_open=True, optional=True)
     for name in ("make_vocab_size_divisible_by", "distributed_timeout_minutes",
                  "tensorboard_log_interval", "hysteresis"):
@@ -382,10 +395,10 @@ def _check_data_source(args, warnings: list) -> None:
     if args.tokenizer_type == "NullTokenizer":
         _require(args.vocab_size is not None and args.vocab_size > 0,
                  "--tokenizer-type NullTokenizer (the --mock-data default) needs --vocab-size")
-    elif args.tokenizer_model is None:
-        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model")
-    elif not os.path.exists(args.tokenizer_model):
-        raise ConfigError(f"--tokenizer-model {args.tokenizer_model!r} does not exist")
+    try:
+        check_tokenizer_flags(args)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
 
 
 def _check_rope_fusion(args, dims: ParallelDims, cuda: bool, warnings: list) -> None:
@@ -411,8 +424,15 @@ def _check_rope_fusion(args, dims: ParallelDims, cuda: bool, warnings: list) -> 
 
 def _resolve_layers_and_attention(args: argparse.Namespace, cuda: bool) -> None:
     """Fill in --transformer-impl (the layer spec) and --ulysses-attention-backend (the core
-    attention) from each other: TE's layers wherever TE and CUDA are there, TE's attention in
-    them by default; every backend runs in TE's layers, te only there."""
+    attention) from each other and Megatron-LM's --attention-backend: TE's layers wherever TE
+    and CUDA are there, TE's attention in them by default; every backend runs in TE's layers,
+    te only there."""
+    if args.attention_backend != "auto":
+        ours = "local" if args.attention_backend == "local" else "te"
+        _require(args.ulysses_attention_backend in ("auto", ours),
+                 f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
+                 f"{ours}, not {args.ulysses_attention_backend}; drop one of the two")
+        args.ulysses_attention_backend = ours
     try:  # te without Transformer Engine or CUDA fails here, not when the model is built
         if args.ulysses_attention_backend != "auto":
             resolve_backend(args.ulysses_attention_backend)
@@ -484,6 +504,10 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     padded_length = dims.local_seq_length(args.seq_length) * dims.sp
     if args.max_position_embeddings is None:
         args.max_position_embeddings = padded_length
+    _require(not (args.no_position_embedding and args.position_embedding_type != "rope"),
+             "--no-position-embedding leaves no position information with "
+             f"--position-embedding-type {args.position_embedding_type}; add "
+             "--position-embedding-type rope (or --use-rotary-position-embeddings)")
     if args.position_embedding_type == "learned_absolute":
         _require(args.max_position_embeddings >= padded_length,
                  f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
@@ -630,6 +654,8 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
 
     _require(not (args.exit_signal_handler and args.save is None),
              "--exit-signal-handler saves before exiting: it needs --save")
+    _require(not (args.exit_duration_in_mins is not None and args.save is None),
+             "--exit-duration-in-mins saves before exiting: it needs --save")
     _require(not (args.save_interval is not None and args.save is None),
              "--save-interval needs --save")
     _require(args.save_interval is None or args.save_interval > 0,

@@ -50,6 +50,7 @@ class ModelConfig:
     fp16: bool
     ulysses_attention_backend: str
     transformer_impl: str  # the layer spec: "transformer_engine" or "local"
+    attention_backend: str  # Megatron-LM's: TE's kernel family (auto, flash, fused, unfused) or local
     tiled_mlp_shards: Union[int, str, None]  # a count, "auto", or None (off)
     tiled_loss_shards: Union[int, str, None]
     offload_activations: bool
@@ -111,6 +112,8 @@ class DataConfig:
     tokenizer_type: str
     tokenizer_model: Optional[str]
     vocab_size: Optional[int]
+    vocab_file: Optional[str]
+    merge_file: Optional[str]
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
@@ -129,6 +132,7 @@ class TrainingConfig:
     skip_train: bool
     seed: int
     exit_interval: Optional[int]
+    exit_duration_in_mins: Optional[float]
     exit_signal_handler: bool
     check_for_nan_in_loss_and_grad: bool
     distributed_backend: str

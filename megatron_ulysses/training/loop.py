@@ -6,6 +6,8 @@ and stop on `--exit-interval` or SIGTERM.
 
 import os
 import signal
+import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,7 @@ from .. import parallel_state as ps
 from .. import rng
 from ..data.batches import Batches
 from ..data.datasets import build_train_valid_test_datasets, check_data_path
-from ..data.tokenizers import build_tokenizer, check_for_training
+from ..data.tokenizers import build_tokenizer_from, check_for_training
 from .arguments import ConfigError, padded_vocab_size
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -43,24 +45,31 @@ def initialize_distributed(config: RunConfig) -> None:
     rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
 
 
-class SignalFlag:
-    """SIGTERM received on any rank (checked collectively once per iteration)."""
+class ExitRequest:
+    """Whether to save and exit after this iteration, the same answer on every rank: SIGTERM
+    received on any rank (--exit-signal-handler) or --exit-duration-in-mins passed on any rank
+    since `start` (one collective per iteration, only with either flag)."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, signal_handler: bool, duration_in_mins: Optional[float], start: float):
         self.received = False
-        self.enabled = enabled
-        if enabled:
+        self.signal_handler, self.duration_in_mins, self.start = (
+            signal_handler, duration_in_mins, start)
+        if signal_handler:
             signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         self.received = True
 
-    def any_rank(self) -> bool:
-        if not self.enabled:
-            return False
-        flag = torch.tensor([int(self.received)], device=cpu_compat.device())
+    def reason(self) -> Optional[str]:
+        """None, or why the run stops now."""
+        if not self.signal_handler and self.duration_in_mins is None:
+            return None
+        late = (self.duration_in_mins is not None
+                and time.time() - self.start >= 60 * self.duration_in_mins)
+        flag = torch.tensor([2 if self.received else int(late)], device=cpu_compat.device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return {0: None, 1: f"--exit-duration-in-mins {self.duration_in_mins} passed",
+                2: "SIGTERM received"}[int(flag.item())]
 
 
 def _check_inputs(config: RunConfig):
@@ -69,7 +78,7 @@ def _check_inputs(config: RunConfig):
     try to fill forever). The only full read of the .idx files. Returns the tokenizer."""
     data = config.data
     try:
-        tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size)
+        tokenizer = build_tokenizer_from(data)
         check_for_training(tokenizer, data.tokenizer_type, data.tokenizer_model)
         if data.data_path:
             check_data_path(list(data.data_path), split=data.split)
@@ -124,6 +133,7 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
 
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
+    start = time.time()  # --exit-duration-in-mins counts from here
     tokenizer = _check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(padded_vocab_size(
@@ -152,7 +162,8 @@ def pretrain(config: RunConfig) -> None:
 
     local_seq = dims.local_seq_length(model_config.seq_length)
     logger = TrainingLogger(config, dims.world_size)
-    signals = SignalFlag(training.exit_signal_handler)
+    exit_request = ExitRequest(training.exit_signal_handler, training.exit_duration_in_mins,
+                               start)
 
     def save():
         with logger.paused():
@@ -181,14 +192,16 @@ def pretrain(config: RunConfig) -> None:
             with logger.paused():
                 logger.log_validation(iteration, evaluate(valid_batches, model, training,
                                                           local_seq))
-        stop = signals.any_rank() or bool(training.exit_interval
+        reason = exit_request.reason()
+        stop = reason is not None or bool(training.exit_interval
                                           and iteration % training.exit_interval == 0)
         interval = checkpoint.save_interval and iteration % checkpoint.save_interval == 0
         if checkpoint.save and (stop or interval):
             save()
             saved = True
         if stop:
-            print_rank_0(f" exiting at iteration {iteration}")
+            print_rank_0(f" exiting at iteration {iteration}"
+                         + (f" ({reason})" if reason else ""))
             break
     if checkpoint.save and not saved:
         save()

@@ -16,6 +16,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
 from .. import rng
@@ -84,6 +85,8 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
         deterministic_mode=model.deterministic_mode,
+        # megatron-core's GPTModel sets TE's NVTE_{FLASH,FUSED,UNFUSED}_ATTN from it
+        attention_backend=AttnBackend[model.attention_backend],
     )
 
 

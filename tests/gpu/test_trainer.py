@@ -68,12 +68,13 @@ def report(name: str, **values) -> None:
 class Run:
     """One `python pretrain_gpt.py` process and what it logged."""
 
-    def __init__(self, name, flags, workdir):
-        self.name, self.flags, self.dir = name, flags, workdir / name
+    def __init__(self, name, flags, workdir, env=None):
+        self.name, self.flags, self.dir, self.env = name, flags, workdir / name, env or {}
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def start(self):
-        env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1")
+        env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
+                   **self.env)
         self.log = open(self.dir / "log.txt", "w")
         self.process = subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"),
                                          *self.flags], env=env, stdout=self.log,
@@ -130,6 +131,10 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
         Run("sdpa", [*MODEL, *RUN, *MOCK, "--ulysses-attention-backend", "sdpa"], work),
         Run("local", [*MODEL, *RUN, *MOCK, "--ulysses-attention-backend", "local"], work),
         Run("local_layers", [*MODEL, *RUN, *MOCK, "--transformer-impl", "local"], work),
+        # Megatron-LM's --attention-backend picks TE's kernels; TE's debug log names the one run
+        Run("unfused_attention", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, "--attention-backend",
+                                  "unfused"], work, env={"NVTE_DEBUG": "1",
+                                                         "NVTE_DEBUG_LEVEL": "2"}),
         Run("packed_te", [*MODEL, *RUN, *packed, "--ulysses-attention-backend", "te"], work),
         Run("packed_sdpa", [*MODEL, *RUN, *packed, "--ulysses-attention-backend", "sdpa"], work),
         Run("full_recompute", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, *recompute,
@@ -255,6 +260,13 @@ def test_backends_agree(runs, backend, layers):
     attention = "sdpa" if backend == "local_layers" else backend
     assert f"attention backend {attention} in {layers} layers" in run.output
     _close(run.losses, runs["te"].check().losses, f"{backend} vs te")
+
+
+def test_attention_backend_picks_te_kernels(runs):
+    run = runs["unfused_attention"].check()
+    assert "Running with UnfusedDotProductAttention backend" in run.output, run.output[-3000:]
+    assert "Running with FusedAttention" not in run.output
+    _close(run.losses, runs["te"].check().losses, "--attention-backend unfused vs te (fused)")
 
 
 def test_te_attention_checkpoint_resumes_under_sdpa(runs):
