@@ -4,7 +4,7 @@
 #     . .te6/install_te.sh && bash tests/gpu/run.sh
 # Writes $OUT (default runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json,
 # run_logs.tgz (each trainer run's log);
-# tests/gpu/LAST_RUN.md is written from them. About 11 minutes on an H200 (30 tests).
+# tests/gpu/LAST_RUN.md is written from them. About 11 minutes on an H200 (31 tests).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
