@@ -120,7 +120,27 @@ def _megatron_core_tokenizer(library: str, path: str, **options: Any):
         path, metadata_path={"library": library, "model_type": "gpt"}, **options)
 
 
-class SentencePieceTokenizer:
+class _VocabTokenizer:
+    """``vocab_size``, ``vocab`` and ``inv_vocab`` of a tokenizer holding ``_vocab`` (token ->
+    id) and ``_inv_vocab``."""
+
+    _vocab: Dict[str, int]
+    _inv_vocab: Dict[int, str]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._vocab)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        return self._inv_vocab
+
+
+class SentencePieceTokenizer(_VocabTokenizer):
     """Megatron-LM ``SentencePieceTokenizer`` (see the module docstring); special tokens
     written literally in the text are encoded to their special ids."""
 
@@ -188,18 +208,6 @@ class SentencePieceTokenizer:
         pieces.append(self.tokenizer.decode_ids(list(ids[run_start:])))
         return "".join(pieces)
 
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
-
 
 class NullTokenizer:
     """Megatron-LM ``NullTokenizer`` (see the module docstring): text is whitespace-separated
@@ -221,7 +229,7 @@ class NullTokenizer:
         raise NotImplementedError("NullTokenizer has no attribute 'pad'")
 
 
-class GPT2BPETokenizer:
+class GPT2BPETokenizer(_VocabTokenizer):
     """Megatron-LM ``GPT2BPETokenizer``: GPT-2's byte-level BPE (``vocab.json`` +
     ``merges.txt``) run by HuggingFace ``tokenizers``; eod is ``<|endoftext|>``; special
     tokens written in the text are encoded as text, as Megatron-LM's encoder does."""
@@ -285,18 +293,6 @@ class GPT2BPETokenizer:
 
     def detokenize(self, ids: List[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
-
-    @property
-    def vocab_size(self) -> int:
-        return len(self._vocab)
-
-    @property
-    def vocab(self) -> Dict[str, int]:
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> Dict[int, str]:
-        return self._inv_vocab
 
 
 def _gpt_sentencepiece_tokenizer(model_file: str):
