@@ -22,6 +22,7 @@ from unittest import mock
 
 import plot_run
 import pytest
+import torch
 from conftest import CORPUS, REPO_ROOT
 
 from megatron_ulysses.training import arguments
@@ -216,6 +217,40 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     logged = plot_run.read_tensorboard(str(tmp_path / "tb"))
     assert [i for i, _ in logged["loss"]] == list(range(1, saved + 1))
     assert {"lr", "throughput", "memory"} <= logged.keys()
+
+
+def _checkpoint_tensors(path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(path) + ".pt")
+    state = torch.load(str(path) + ".pt", weights_only=False)  # written just above
+
+    def flatten(tree, prefix=""):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                yield from flatten(value, f"{prefix}{key}.")
+            elif isinstance(value, torch.Tensor):
+                yield prefix + key, value
+    return dict(flatten(state))
+
+
+def test_fully_parallel_save_spreads_the_writes_and_saves_the_same_tensors(tmp_path):
+    """--ckpt-fully-parallel-save (the default): at DP 2 both ranks write about half of the
+    replicated weights and Adam state; the tensors equal those of a save by the first replica."""
+    flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "3", "--eval-iters", "0"]
+    sizes, tensors = {}, {}
+    for mode in ("--ckpt-fully-parallel-save", "--no-ckpt-fully-parallel-save"):
+        ckpt = tmp_path / mode
+        losses(launch(2, *flags, mode, "--save", str(ckpt)))
+        files = {f.name: f.stat().st_size for f in (ckpt / "iter_0000003").glob("__*_0.distcp")}
+        sizes[mode] = [files["__0_0.distcp"], files["__1_0.distcp"]]
+        tensors[mode] = _checkpoint_tensors(ckpt / "iter_0000003")
+    spread, first = sizes["--ckpt-fully-parallel-save"], sizes["--no-ckpt-fully-parallel-save"]
+    assert min(spread) > 0.3 * sum(spread), spread
+    assert first[1] < 0.1 * sum(first), first
+    same, other = tensors["--ckpt-fully-parallel-save"], tensors["--no-ckpt-fully-parallel-save"]
+    assert same.keys() == other.keys() and len(same) > 20
+    assert [k for k in same if not torch.equal(same[k], other[k])] == []
 
 
 def test_exit_duration_saves_and_exits_on_every_rank_at_once(tmp_path):

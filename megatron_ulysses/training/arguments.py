@@ -270,6 +270,10 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     g.add_argument("--load", type=str, default=None)
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
+                   default=True, help="spread the writing of tensors replicated over DP x SP "
+                   "across their replicas (Megatron-LM's default; --no-ckpt-fully-parallel-save: "
+                   "the first replica writes each)")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only; iteration and consumed samples start at 0")

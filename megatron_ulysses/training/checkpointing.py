@@ -53,8 +53,14 @@ import zipfile
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import dist_checkpointing, tensor_parallel
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+    FullyParallelSaveStrategyWrapper,
+)
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
@@ -486,6 +492,17 @@ def _saved_args(config) -> dict:
     return {key: values[key] for key in _SAVED_ARGS}
 
 
+def _save_strategy(fully_parallel: bool):
+    """megatron-core's torch_dist save strategy; `fully_parallel` (--ckpt-fully-parallel-save):
+    each tensor replicated over megatron-core's DP group (DP x SP) is written by one of its
+    replicas, chosen to spread the bytes evenly, instead of all by the first (rank 0 at TP =
+    PP = 1 would write the whole model). The files are the same either way."""
+    strategy = get_default_save_sharded_strategy("torch_dist")
+    if not fully_parallel:
+        return strategy
+    return FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group())
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
                     consumed_samples: int, extra_common: dict = None) -> None:
     """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it.
@@ -509,7 +526,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 rng_states=rng_states, common=common)
     with _quiet_torch_checkpoint():
-        dist_checkpointing.save(state, staging)
+        dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(
+            config.checkpoint.ckpt_fully_parallel_save))
     dist.barrier()
     _fsync_tree(staging, rank)
     dist.barrier()

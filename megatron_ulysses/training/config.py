@@ -147,6 +147,7 @@ class CheckpointConfig:
     no_load_optim: bool
     no_load_rng: bool
     finetune: bool
+    ckpt_fully_parallel_save: bool
 
 
 @dataclass(frozen=True)
