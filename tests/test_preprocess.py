@@ -154,6 +154,29 @@ def test_sigterm_leaves_no_temporary_files(tmp_path):
     assert not list(tmp_path.glob("out*"))
 
 
+def _sigterm_disposition():
+    return signal.getsignal(signal.SIGTERM)
+
+
+def test_pool_workers_are_forked_with_the_default_sigterm(monkeypatch):
+    """The tools' SIGTERM handler (cleanup, exit 143) is not inherited by pool workers: a
+    Python handler cannot stop a worker blocked in C, and Pool.terminate() would wait forever
+    (seen once in CI: a worker stuck on a futex after fork)."""
+    import multiprocessing
+
+    import _indexed
+
+    monkeypatch.setattr(_indexed, "_TERMINATED", [])
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        _indexed.exit_on_sigterm()
+        assert signal.getsignal(signal.SIGTERM) is _indexed._terminate
+        with multiprocessing.get_context("fork").Pool(1) as pool:
+            assert pool.apply(_sigterm_disposition) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_tokenizer_trains_on_long_lines(tmp_path):
     words = ["alpha", "bravo", "charlie", "délta", "echo", "foxtrot"]
     documents = [" ".join(words[(i + n) % len(words)] for i in range(7500)) for n in range(3)]

@@ -43,20 +43,27 @@ def reports_errors(main: Callable[..., int]) -> Callable[..., int]:
 
 
 _TERMINATED = []  # the signal that asked the main process to stop, once one has
+_AT_FORK = []  # the fork hook, once registered
+
+
+def _terminate(signum, frame):
+    _TERMINATED.append(signum)
+    raise SystemExit(128 + signum)
+
+
+def _default_sigterm() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def exit_on_sigterm() -> None:
     """Make SIGTERM (scancel, a SLURM time limit) unwind the calling process like Ctrl-C, so that
-    temporary files are removed, with exit status 143; forked pool workers still just die."""
-    main_pid = os.getpid()
-
-    def handler(signum, frame):
-        if os.getpid() != main_pid:
-            os._exit(128 + signum)
-        _TERMINATED.append(signum)
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, handler)
+    temporary files are removed, with exit status 143. Forked pool workers get the default
+    SIGTERM back as they are forked: a Python handler runs only between bytecodes, so a worker
+    blocked in C would outlive `Pool.terminate()` and hang its `join()`."""
+    if not _AT_FORK:  # hooks cannot be removed: one per process
+        os.register_at_fork(after_in_child=_default_sigterm)
+        _AT_FORK.append(_default_sigterm)
+    signal.signal(signal.SIGTERM, _terminate)
 
 
 def exit_if_terminated() -> None:
