@@ -17,6 +17,7 @@ Three are ours because megatron-core has no tokenizer with their Megatron-LM ids
   megatron-core's downloads the files when not given and reads the vocab file as the merges.
 """
 
+import json
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional
@@ -41,14 +42,31 @@ def add_tokenizer_arguments(group, type_required: bool = False, type_help: str =
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
 
 
-def tokenizer_files(config: Any) -> Dict[str, str]:
+def _files_of(tokenizer_type: str, tokenizer_model: Optional[str], vocab_file: Optional[str],
+              merge_file: Optional[str]) -> Dict[str, Optional[str]]:
+    """``{flag: path}`` of the files that define a ``tokenizer_type`` tokenizer."""
+    if tokenizer_type == "NullTokenizer":
+        return {}
+    if tokenizer_type == "GPT2BPETokenizer":
+        return {"--vocab-file": vocab_file, "--merge-file": merge_file}
+    return {"--tokenizer-model": tokenizer_model}
+
+
+def tokenizer_files(config: Any) -> Dict[str, Optional[str]]:
     """``{flag: path}`` of the files that define the tokenizer of ``config`` (flags as
     attributes: an argparse namespace, ``DataConfig``)."""
-    if config.tokenizer_type == "NullTokenizer":
-        return {}
-    if config.tokenizer_type == "GPT2BPETokenizer":
-        return {"--vocab-file": config.vocab_file, "--merge-file": config.merge_file}
-    return {"--tokenizer-model": config.tokenizer_model}
+    return _files_of(config.tokenizer_type, config.tokenizer_model, config.vocab_file,
+                     config.merge_file)
+
+
+def _check_files(tokenizer_type: str, files: Dict[str, Optional[str]]) -> None:
+    """Each of ``files`` (``{flag: path}``) is given and exists; ``ValueError`` naming it."""
+    for flag, path in files.items():
+        if path is None:
+            raise ValueError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+        if not os.path.exists(path):
+            raise ValueError(f"{flag} {path!r} does not exist (needed by --tokenizer-type "
+                             f"{tokenizer_type}; only local files are used)")
 
 
 def check_tokenizer_flags(config: Any) -> None:
@@ -57,12 +75,7 @@ def check_tokenizer_flags(config: Any) -> None:
     ``--tokenizer-model`` with NullTokenizer stays ignored, as in Megatron-LM. Raises
     ``ValueError`` naming the flags."""
     files = tokenizer_files(config)
-    for flag, path in files.items():
-        if path is None:
-            raise ValueError(f"--tokenizer-type {config.tokenizer_type} needs {flag}")
-        if not os.path.exists(path):
-            raise ValueError(f"{flag} {path!r} does not exist (needed by --tokenizer-type "
-                             f"{config.tokenizer_type}; only local files are used)")
+    _check_files(config.tokenizer_type, files)
     unused = [flag for flag, value in (("--vocab-file", config.vocab_file),
                                        ("--merge-file", config.merge_file),
                                        ("--tokenizer-model", config.tokenizer_model))
@@ -253,8 +266,6 @@ class GPT2BPETokenizer(_VocabTokenizer):
 
     @staticmethod
     def _read_vocab(path: str) -> Dict[str, int]:
-        import json
-
         try:
             with open(path, encoding="utf-8") as stream:
                 vocab = json.load(stream)
@@ -381,19 +392,10 @@ def build_tokenizer(
                 f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size!r})"
             )
         return NullTokenizer(int(vocab_size))
+    _check_files(tokenizer_type, _files_of(tokenizer_type, tokenizer_model, vocab_file,
+                                           merge_file))
     if tokenizer_type == "GPT2BPETokenizer":
-        for flag, path in (("--vocab-file", vocab_file), ("--merge-file", merge_file)):
-            if path is None or not os.path.isfile(path):
-                raise ValueError(f"--tokenizer-type GPT2BPETokenizer needs {flag}" + (
-                    "" if path is None else f"; {path!r} is not a file"))
         return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_model is None:
-        raise ValueError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model")
-    if not os.path.exists(tokenizer_model):
-        raise ValueError(
-            f"--tokenizer-model {tokenizer_model!r} does not exist (needed by --tokenizer-type "
-            f"{tokenizer_type}; only local files are used)"
-        )
     if tokenizer_type == "SentencePieceTokenizer":
         return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type == "GPTSentencePieceTokenizer":
