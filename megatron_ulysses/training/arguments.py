@@ -14,14 +14,11 @@ import torch
 from ..backends import BACKENDS, resolve_backend, te_available
 from ..data.datasets import parse_data_path, parse_split
 from ..data.tokenizers import add_tokenizer_arguments, check_tokenizer_flags
+from ..errors import ConfigError, flag_name
 from ..memory.tiling import check_num_tiles
 from ..parallel_state import ParallelDims
 from ..rope import fused_rope_fits
 from .config import RunConfig, from_namespace
-
-
-class ConfigError(ValueError):
-    """A bad configuration; the message names the flag that fixes it."""
 
 
 # megatron-core's selective-recompute submodules of a dense GPT layer.
@@ -287,11 +284,6 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
-
-
-def flag_name(dest: str) -> str:
-    """The command-line flag of an args attribute: `hidden_size` -> `--hidden-size`."""
-    return "--" + dest.replace("_", "-")
 
 
 def _check_range(args, name: str, low=None, high=None, low_open=False, high_open=False,

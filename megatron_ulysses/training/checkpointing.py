@@ -65,7 +65,7 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
-from .arguments import ConfigError, flag_name
+from ..errors import ConfigError, flag_name
 from .logging import print_rank_0
 
 TRACKER = "latest_checkpointed_iteration.txt"
