@@ -25,7 +25,9 @@ from distributed import spawn
 from test_convert_hf import checkpoint, save_random_llama  # noqa: F401 (a fixture: this hf_dir's)
 
 import eval_passkey
-from megatron_ulysses.training.arguments import ConfigError
+from megatron_ulysses.errors import ConfigError
+from megatron_ulysses.eval.greedy import vocab_parallel_argmax
+from megatron_ulysses.eval.prompt import NEEDLE, PromptBuilder, make_key
 
 TOOL = str(REPO_ROOT / "tools" / "eval_passkey.py")
 LENGTHS, DEPTHS, TRIALS = (128, 320), (0.0, 0.5, 1.0), 2
@@ -95,7 +97,7 @@ def test_sp1_gives_sp2s_answers_which_are_the_original_models_argmax(sp2, checkp
     assert got["records"] == expected["records"]
 
     tokenizer = _tokenizer(sp_model)
-    builder = eval_passkey.PromptBuilder(tokenizer)
+    builder = PromptBuilder(tokenizer)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     answer_lengths = set()
     for record in expected["records"]:
@@ -117,13 +119,13 @@ def _tokenizer(sp_model):
 
 def test_prompts_have_the_exact_length_and_the_key_where_the_depth_says(sp_model, sp2):
     tokenizer = _tokenizer(sp_model)
-    builder = eval_passkey.PromptBuilder(tokenizer)
+    builder = PromptBuilder(tokenizer)
     question = builder.question
     for length in (120, 121, 128, 1000, 4096):
         for trial in range(3):
             starts = []
             for depth in [i / 10 for i in range(11)]:
-                key = eval_passkey.make_key(1, length, depth, trial)
+                key = make_key(1, length, depth, trial)
                 assert 10000 <= key <= 99999
                 prompt = builder.build(length, depth, key)
                 tokens, n = prompt.tokens, len(prompt.answer)
@@ -133,7 +135,7 @@ def test_prompts_have_the_exact_length_and_the_key_where_the_depth_says(sp_model
                 assert tokens[length - n - len(question):length - n] == question
                 assert tokens[:len(builder.intro)] == builder.intro
                 needle = tokenizer.detokenize(tokens[prompt.needle_start:prompt.needle_end])
-                assert needle.strip() == eval_passkey.NEEDLE.format(key=key)
+                assert needle.strip() == NEEDLE.format(key=key)
                 assert tokenizer.detokenize(tokens).count(str(key)) == 3  # needle x 2, answer
                 starts.append((prompt.needle_start, prompt.needle_depth))
             assert starts[0] == (len(builder.intro), 0.0)  # depth 0: right after the intro
@@ -147,8 +149,7 @@ def test_prompts_have_the_exact_length_and_the_key_where_the_depth_says(sp_model
     # What the run recorded is what the prompts hold.
     _, saved, _ = sp2
     for record in saved["records"]:
-        assert record["key"] == eval_passkey.make_key(7, record["length"], record["depth"],
-                                                      record["trial"])
+        assert record["key"] == make_key(7, record["length"], record["depth"], record["trial"])
         prompt = builder.build(record["length"], record["depth"], record["key"])
         assert record["answer_tokens"] == prompt.answer
         assert record["needle_position"] == prompt.needle_start
@@ -171,7 +172,7 @@ def _argmax_case(rank, world):
         full[0, 1, 9] = full[0, 1, 10] = 100.0  # a tie on one rank
         full[1, :, 14] = 1000.0  # padded ids (>= 13) are not tokens
         local = full[..., rank * 8:(rank + 1) * 8]
-        got = eval_passkey.vocab_parallel_argmax(local, vocab_size=13)
+        got = vocab_parallel_argmax(local, vocab_size=13)
         assert torch.equal(got, full[..., :13].argmax(-1)), got
         assert got[0, 0] == 3 and got[0, 1] == 9
     finally:

@@ -177,15 +177,15 @@ def _passkey(imported, sp_model, out, nproc, *flags):
 
 
 def test_passkey_at_sp2_on_the_gpu_is_sp1_and_hf_argmax(hf_dir, imported, sp_model, tmp_path):
-    import eval_passkey
     from megatron_ulysses.data.tokenizers import build_tokenizer
+    from megatron_ulysses.eval.prompt import PromptBuilder
 
     sp1 = _passkey(imported, sp_model, tmp_path / "sp1", 1)
     sp2 = _passkey(imported, sp_model, tmp_path / "sp2", 2, "--ulysses-sp-size", "2",
                    "--distributed-backend", "gloo")
     assert (tmp_path / "sp2" / "passkey.png").exists()
     assert len(sp1["records"]) == 12 and sp2["records"] == sp1["records"]
-    builder = eval_passkey.PromptBuilder(build_tokenizer("GPTSentencePieceTokenizer", sp_model))
+    builder = PromptBuilder(build_tokenizer("GPTSentencePieceTokenizer", sp_model))
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).cuda()
     agree = 0
     for record in sp1["records"]:
