@@ -66,18 +66,19 @@ def report(name: str, **values) -> None:
 
 
 class Run:
-    """One `python pretrain_gpt.py` process and what it logged."""
+    """One `python pretrain_gpt.py` process (or `program`, a command line the flags follow: a
+    torchrun job, another tool) and what it logged."""
 
-    def __init__(self, name, flags, workdir, env=None):
+    def __init__(self, name, flags, workdir, env=None, program=None):
         self.name, self.flags, self.dir, self.env = name, flags, workdir / name, env or {}
+        self.program = program or [sys.executable, str(REPO / "pretrain_gpt.py")]
         self.dir.mkdir(parents=True, exist_ok=True)
 
     def start(self):
         env = dict(os.environ, PYTHONWARNINGS="ignore", CUDA_DEVICE_MAX_CONNECTIONS="1",
                    **self.env)
         self.log = open(self.dir / "log.txt", "w")
-        self.process = subprocess.Popen([sys.executable, str(REPO / "pretrain_gpt.py"),
-                                         *self.flags], env=env, stdout=self.log,
+        self.process = subprocess.Popen([*self.program, *self.flags], env=env, stdout=self.log,
                                         stderr=subprocess.STDOUT, cwd=REPO)
         return self
 
