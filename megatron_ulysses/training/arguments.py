@@ -18,6 +18,7 @@ from ..errors import ConfigError, flag_name
 from ..memory.tiling import check_num_tiles
 from ..parallel_state import ParallelDims
 from ..rope import fused_rope_fits
+from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace
 
 
@@ -673,12 +674,6 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     _require(not (args.distributed_backend == "nccl" and not cuda),
              "--distributed-backend nccl needs CUDA; use gloo")
     return from_namespace(args, dims, warnings)
-
-
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's vocab padding: a multiple of `--make-vocab-size-divisible-by` x TP."""
-    multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
 
 
 # Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds).
