@@ -15,8 +15,9 @@ from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
 from .config import (checkpoint, compat, data, fusions, logging, memory, model, optimizer,
                      parallel, training)
-from .config.checkpoint import CHECKPOINT_ARGS, apply_checkpoint_args  # noqa: F401
-from .config.checks import Context, check_writable_dir  # noqa: F401 (re-exported)
+from .config.checkpoint import apply_checkpoint_args
+from .config.checks import Context
+from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
 from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 
 # Each flag alone first (after the flags every check needs), then the sections' rules: data
