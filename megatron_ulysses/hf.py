@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .training.arguments import padded_vocab_size
+from .vocab import padded_vocab_size
 
 Tensor = torch.Tensor
 

@@ -27,6 +27,7 @@ from conftest import CORPUS, REPO_ROOT
 
 from megatron_ulysses.training import arguments
 from megatron_ulysses.training.arguments import ConfigError, parse_args
+from megatron_ulysses.training.config import model as model_section
 
 MODEL = [
     "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
@@ -387,8 +388,8 @@ def test_transformer_impl_picks_the_layers_and_the_backend_the_attention(argv, l
                                                                           attention):
     """Where TE and CUDA are (as on a GPU node), TE's layers are the default around any
     attention backend; without them, the local layers around SDPA."""
-    with mock.patch.object(arguments, "te_available", return_value=True), \
-            mock.patch.object(arguments, "resolve_backend", side_effect=lambda name: name):
+    with mock.patch.object(model_section, "te_available", return_value=True), \
+            mock.patch.object(model_section, "resolve_backend", side_effect=lambda name: name):
         args = arguments.build_parser().parse_args(BASE + argv)
         model = arguments.validate_args(args, world_size=1, cuda=True).model
     assert (model.transformer_impl, model.ulysses_attention_backend) == (layers, attention)
@@ -398,8 +399,8 @@ def test_transformer_impl_picks_the_layers_and_the_backend_the_attention(argv, l
 
 def test_te_attention_needs_te_layers():
     argv = BASE + ["--transformer-impl", "local", "--ulysses-attention-backend", "te"]
-    with mock.patch.object(arguments, "te_available", return_value=True), \
-            mock.patch.object(arguments, "resolve_backend", side_effect=lambda name: name), \
+    with mock.patch.object(model_section, "te_available", return_value=True), \
+            mock.patch.object(model_section, "resolve_backend", side_effect=lambda name: name), \
             pytest.raises(ConfigError, match="--ulysses-attention-backend te runs in Transformer "
                           "Engine's layers: drop --transformer-impl local"):
         arguments.validate_args(arguments.build_parser().parse_args(argv), 1, cuda=True)

@@ -81,15 +81,12 @@ def build_train_valid_test_datasets(
             by megatron-core's ``GPTDataset`` to each sample (``GPTDatasetConfig``).
 
     Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, built
-    by ``tokenizer`` (one of ``build_tokenizer``'s). ``--reset-attention-mask`` is not passed on:
-    ``GPTDatasetConfig.reset_attention_mask`` only shapes the dense ``[s, s]`` attention mask
-    (off here, ``create_attention_mask=False``); ``sharding.document_boundaries`` gives the
-    attention its ``cu_seqlens`` instead.
+    by ``tokenizer`` (one of ``build_tokenizer``'s).
     """
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     check_dataset_helpers()
     if mock_data == bool(data_path):
@@ -99,7 +96,25 @@ def build_train_valid_test_datasets(
         )
     # The files' contents and the split are check_data_path's, run once by the trainer first.
     blend = parse_data_path(data_path) if data_path else None
-    config = GPTDatasetConfig(
+    config = _dataset_config(tokenizer, seq_length, blend, split, seed, data_cache_path,
+                             reset_position_ids, eod_mask_loss)
+    dataset_cls = MockGPTDataset if mock_data else GPTDataset
+    builder = BlendedMegatronDatasetBuilder(
+        dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
+    )
+    return tuple(builder.build())
+
+
+def _dataset_config(tokenizer, seq_length: int, blend, split: str, seed: int,
+                    data_cache_path: Optional[str], reset_position_ids: bool,
+                    eod_mask_loss: bool):
+    """megatron-core's ``GPTDatasetConfig`` (``blend`` None: mock data, no split).
+    ``--reset-attention-mask`` is not passed on: ``GPTDatasetConfig.reset_attention_mask`` only
+    shapes the dense ``[s, s]`` attention mask (off here, ``create_attention_mask=False``);
+    ``sharding.document_boundaries`` gives the attention its ``cu_seqlens`` instead."""
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    return GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -111,11 +126,6 @@ def build_train_valid_test_datasets(
         eod_mask_loss=eod_mask_loss,
         create_attention_mask=False,
     )
-    dataset_cls = MockGPTDataset if mock_data else GPTDataset
-    builder = BlendedMegatronDatasetBuilder(
-        dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
-    )
-    return tuple(builder.build())
 
 
 def parse_split(split: str) -> List[float]:
@@ -186,6 +196,23 @@ def check_index(prefix: str, flag: str = "--data-path") -> IndexSummary:
     ``DataError`` naming ``flag``, the option that gave ``prefix``."""
     from megatron.core.datasets.indexed_dataset import DType
 
+    idx_path, bin_path = _check_files(prefix, flag)
+    code, sequences, doc_count = _read_header(prefix, flag, idx_path)
+    dtype = numpy.dtype(DType.dtype_from_code(code))
+    lengths, tokens = _scan_index(prefix, flag, idx_path, dtype, sequences, doc_count)
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != tokens * dtype.itemsize:
+        raise _damaged(prefix, flag, f"{bin_path} is {bin_size} bytes but {idx_path} says "
+                                     f"{tokens} tokens x {dtype.itemsize} bytes = "
+                                     f"{tokens * dtype.itemsize}")
+    if tokens == 0:
+        raise _damaged(prefix, flag, f"it holds no tokens ({doc_count - 1} documents; "
+                                     "megatron-core cannot read an empty .bin)")
+    return IndexSummary(prefix, dtype, lengths, sequences, doc_count - 1, tokens)
+
+
+def _check_files(prefix: str, flag: str) -> Tuple[str, str]:
+    """``prefix``'s .idx and .bin paths, both regular files."""
     idx_path, bin_path = prefix + ".idx", prefix + ".bin"
     missing = [path for path in (idx_path, bin_path) if not os.path.exists(path)]
     problems = [f"there is no {' and no '.join(missing)}"] if missing else []
@@ -195,7 +222,15 @@ def check_index(prefix: str, flag: str = "--data-path") -> IndexSummary:
         hint = (" (give the prefix without .bin/.idx)"
                 if missing and prefix.endswith((".bin", ".idx")) else "")
         raise _damaged(prefix, flag, " and ".join(problems) + hint)
-    idx_size, bin_size = os.path.getsize(idx_path), os.path.getsize(bin_path)
+    return idx_path, bin_path
+
+
+def _read_header(prefix: str, flag: str, idx_path: str) -> Tuple[int, int, int]:
+    """The .idx header's (dtype code, sequences, document indices), checked against
+    megatron-core's magic, version and dtype codes and the file's size."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    idx_size = os.path.getsize(idx_path)
     try:
         with open(idx_path, "rb") as stream:
             header = stream.read(_IDX_HEADER.size)
@@ -218,7 +253,13 @@ def check_index(prefix: str, flag: str = "--data-path") -> IndexSummary:
         raise _damaged(prefix, flag, f"{idx_path} is {idx_size} bytes but its header "
                                      f"({sequences} sequences, {doc_count} document indices) "
                                      f"needs {needed}")
-    dtype = numpy.dtype(DType.dtype_from_code(code))
+    return code, sequences, doc_count
+
+
+def _scan_index(prefix: str, flag: str, idx_path: str, dtype, sequences: int,
+                doc_count: int):
+    """The sequence lengths (memory-mapped) and their token total, after checking that the
+    offsets follow the lengths and the document indices run from 0 to `sequences` in order."""
     offset = _IDX_HEADER.size
     lengths = numpy.memmap(idx_path, numpy.int32, "r", offset, (sequences,))
     pointers = numpy.memmap(idx_path, numpy.int64, "r", offset + 4 * sequences, (sequences,))
@@ -237,14 +278,7 @@ def check_index(prefix: str, flag: str = "--data-path") -> IndexSummary:
     if not consistent:
         raise _damaged(prefix, flag, f"{idx_path} has inconsistent document indices, sequence "
                                      "lengths or sequence offsets")
-    if bin_size != tokens * dtype.itemsize:
-        raise _damaged(prefix, flag, f"{bin_path} is {bin_size} bytes but {idx_path} says "
-                                     f"{tokens} tokens x {dtype.itemsize} bytes = "
-                                     f"{tokens * dtype.itemsize}")
-    if tokens == 0:
-        raise _damaged(prefix, flag, f"it holds no tokens ({doc_count - 1} documents; "
-                                     "megatron-core cannot read an empty .bin)")
-    return IndexSummary(prefix, dtype, lengths, sequences, doc_count - 1, tokens)
+    return lengths, tokens
 
 
 def check_split(split: str, index: IndexSummary) -> None:

@@ -1,0 +1,93 @@
+"""The activation-memory part of the model section: the ALST memory features (tiled MLP, tiled
+logits + loss, activation offload; off by default, exact) and megatron-core's recompute."""
+
+from dataclasses import dataclass
+from typing import Optional, Tuple, Union
+
+from ...backends import te_available
+from .checks import Context, check_range, require, tiles
+
+# megatron-core's selective-recompute submodules of a dense GPT layer.
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
+
+
+@dataclass(frozen=True)
+class MemoryFields:
+    """`ModelConfig`'s activation-memory fields."""
+
+    tiled_mlp_shards: Union[int, str, None]  # a count, "auto", or None (off)
+    tiled_loss_shards: Union[int, str, None]
+    offload_activations: bool
+    recompute_granularity: Optional[str]
+    recompute_method: Optional[str]
+    recompute_num_layers: Optional[int]
+    recompute_modules: Optional[Tuple[str, ...]]
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group(
+        "activation memory: ALST memory features (off by default, exact) and recompute")
+    g.add_argument("--tiled-mlp-shards", type=tiles, default=None,
+                   help="Run the MLP over N sequence tiles (or 'auto' = ceil(s/h)).")
+    g.add_argument("--tiled-loss-shards", type=tiles, default=None,
+                   help="Compute logits + loss over N sequence tiles (or 'auto': 1 GiB tiles).")
+    g.add_argument("--offload-activations", action="store_true",
+                   help="Keep full-recompute checkpoints in CPU memory "
+                   "(needs --recompute-granularity full).")
+    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
+                   help="with --recompute-granularity selective: the submodules to recompute "
+                   "(megatron-core's; default core_attn)")
+
+
+def check_values(args) -> None:
+    check_range(args, "recompute_num_layers", low=0, low_open=True, optional=True)
+
+
+def validate(args, ctx: Context) -> None:
+    """Runs after `model.validate` (it settles --sequence-parallel)."""
+    if args.recompute_granularity == "full":
+        _check_full_recompute(args, ctx.dims.pp)
+    else:
+        require(args.recompute_method is None and args.recompute_num_layers is None,
+                "--recompute-method/--recompute-num-layers need --recompute-granularity full")
+    if args.recompute_modules is not None:
+        require(args.recompute_granularity == "selective",
+                "--recompute-modules needs --recompute-granularity selective")
+        require(len(args.recompute_modules) > 0, "--recompute-modules needs at least one of "
+                + ", ".join(RECOMPUTE_MODULES))
+        require(not ("mlp" in args.recompute_modules and args.tiled_mlp_shards is not None),
+                "--tiled-mlp-shards already recomputes the MLP tile by tile in backward: drop "
+                "mlp from --recompute-modules")
+        require(not ("layernorm" in args.recompute_modules and not te_available()),
+                "--recompute-modules layernorm needs Transformer Engine (megatron-core's norm "
+                "recompute runs through it); drop layernorm")
+        args.recompute_modules = tuple(dict.fromkeys(args.recompute_modules))
+    if args.offload_activations:
+        require(args.recompute_granularity == "full",
+                "--offload-activations needs --recompute-granularity full (it offloads the "
+                "recompute checkpoints)")
+    if args.sequence_parallel:
+        require(args.tiled_mlp_shards is None and args.tiled_loss_shards is None,
+                "--tiled-mlp-shards/--tiled-loss-shards do not support --sequence-parallel "
+                "with --tensor-model-parallel-size > 1")
+
+
+def _check_full_recompute(args, pp: int) -> None:
+    require(args.recompute_method is not None,
+            "--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_num_layers is None:
+        args.recompute_num_layers = 1
+    layers_per_stage = args.num_layers // pp
+    require(args.recompute_num_layers <= layers_per_stage,
+            f"--recompute-num-layers ({args.recompute_num_layers}) must be in [1, layers "
+            f"per pipeline stage = --num-layers {args.num_layers} / "
+            f"--pipeline-model-parallel-size {pp} = {layers_per_stage}]")
+    # megatron-core 0.16's uniform chunks run past the last layer otherwise.
+    require(args.recompute_method == "block"
+            or layers_per_stage % args.recompute_num_layers == 0,
+            f"--recompute-method uniform needs --recompute-num-layers "
+            f"({args.recompute_num_layers}) to divide the layers per pipeline stage "
+            f"({layers_per_stage})")

@@ -1,0 +1,238 @@
+"""The model section: shape, positions, numerics, and which layers and attention run (what the
+GPTModel build reads). Its activation-memory and fusion flags are `memory.py`'s and
+`fusions.py`'s, whose fields `ModelConfig` takes in."""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ...backends import BACKENDS, resolve_backend, te_available
+from ...errors import ConfigError, flag_name
+from .checks import Context, check_positive, check_range, number, require
+from .fusions import FusionFields
+from .memory import MemoryFields
+
+
+@dataclass(frozen=True)
+class ModelConfig(MemoryFields, FusionFields):
+    """The model's shape, numerics and memory features (what the GPTModel build reads)."""
+
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    seq_length: int
+    max_position_embeddings: int
+    position_embedding_type: str
+    rotary_base: int
+    rotary_percent: float
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+    rotary_seq_len_interpolation_factor: Optional[float]
+    normalization: str
+    norm_epsilon: float
+    swiglu: bool
+    untie_embeddings_and_output_weights: bool
+    disable_bias_linear: bool
+    add_qkv_bias: bool
+    qk_layernorm: bool
+    attention_dropout: float
+    hidden_dropout: float
+    init_method_std: float
+    make_vocab_size_divisible_by: int
+    sequence_parallel: bool
+    bf16: bool
+    fp16: bool
+    ulysses_attention_backend: str
+    transformer_impl: str  # the layer spec: "transformer_engine" or "local"
+    attention_backend: str  # Megatron-LM's: TE's kernel family (auto, flash, fused, unfused) or local
+    deterministic_mode: bool
+    padded_vocab_size: Optional[int] = None  # set from the tokenizer by `pretrain`
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+def add_arguments(parser, model_flags_required: bool = True) -> None:
+    """`model_flags_required=False` (with --use-checkpoint-args): the checkpoint gives them."""
+    g = parser.add_argument_group("model")
+    _add_layer_arguments(g)
+    _add_shape_arguments(g, model_flags_required)
+    g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--deterministic-mode", action="store_true",
+                   help="bitwise run-to-run and resume reproducibility on GPU: deterministic "
+                   "TE attention (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0), deterministic torch and "
+                   "cuBLAS kernels, megatron-core's deterministic embedding backward; slower")
+
+
+def _add_layer_arguments(g) -> None:
+    g.add_argument("--ulysses-attention-backend", choices=("auto",) + BACKENDS, default="auto",
+                   help="The attention between the all-to-alls: te (Transformer Engine), sdpa "
+                   "(torch), local (megatron-core); auto = te with --transformer-impl "
+                   "transformer_engine, else sdpa.")
+    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
+                   help="The layers around attention (as Megatron-LM): Transformer Engine's "
+                   "(norm fused into the linear layers) or megatron-core's local ones; default "
+                   "transformer_engine where TE and CUDA are there, else local.")
+    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
+                   default="auto", help="Megatron-LM's: flash / fused / unfused pick Transformer "
+                   "Engine's attention kernels (--ulysses-attention-backend te), local is "
+                   "--ulysses-attention-backend local; auto leaves both to their defaults")
+
+
+def _add_shape_arguments(g, required: bool) -> None:
+    g.add_argument("--num-layers", type=int, required=required)
+    g.add_argument("--hidden-size", type=int, required=required)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
+    g.add_argument("--num-attention-heads", type=int, required=required)
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="default --seq-length")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
+                   default="learned_absolute")
+    g.add_argument("--use-rotary-position-embeddings", action="store_const",
+                   dest="position_embedding_type", const="rope",
+                   help="= --position-embedding-type rope (Megatron-LM's older flag)")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="llama3 RoPE frequency scaling (megatron-core's; needs "
+                   "--position-embedding-type rope)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the llama3 scaling factor of --use-rope-scaling")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=number, default=None,
+                   help="linear RoPE position interpolation: positions / factor")
+    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="biases on the q/k/v projection only (Qwen2), with --disable-bias-linear")
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+
+
+def check_values(args) -> None:
+    """Range checks megatron-core would only trip over later (an assert or NaN losses)."""
+    check_positive(args, "num_layers", "hidden_size", "num_attention_heads", "seq_length")
+    for name in ("ffn_hidden_size", "kv_channels", "max_position_embeddings"):
+        check_range(args, name, low=0, low_open=True, optional=True)
+    check_range(args, "make_vocab_size_divisible_by", low=1)
+    for name in ("attention_dropout", "hidden_dropout"):
+        check_range(args, name, low=0, high=1, high_open=True)
+    check_range(args, "rotary_base", low=0, low_open=True)
+    check_range(args, "rotary_percent", low=0, high=1, low_open=True)
+    for name in ("norm_epsilon", "init_method_std", "rope_scaling_factor"):
+        check_range(args, name, low=0, low_open=True)
+    check_range(args, "rotary_seq_len_interpolation_factor", low=0, low_open=True,
+                optional=True)
+
+
+def validate(args, ctx: Context) -> None:
+    """Fill in the shape defaults and check the shape against the parallel layout, then the
+    layers and attention, precision and RoPE."""
+    _fill_shape(args, ctx.dims)
+    _resolve_layers_and_attention(args, ctx.cuda)
+    require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; give one")
+    require(ctx.cuda or not (args.bf16 or args.fp16),
+            "--bf16/--fp16 need CUDA (megatron-core's mixed-precision optimizer); "
+            "CPU runs are fp32: drop the flag")
+    _check_rope(args)
+
+
+def _fill_shape(args, dims) -> None:
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ConfigError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention:
+        require(args.num_query_groups is not None and args.num_query_groups > 0,
+                "--group-query-attention needs a positive --num-query-groups")
+    else:
+        args.num_query_groups = args.num_attention_heads
+    if args.kv_channels is None:
+        require(args.hidden_size % args.num_attention_heads == 0,
+                f"--hidden-size ({args.hidden_size}) must be divisible by --num-attention-heads "
+                f"({args.num_attention_heads}), or give --kv-channels")
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = 4 * args.hidden_size
+    # The loader pads s to a multiple of P (loss mask 0); padded tokens still get positions.
+    padded_length = dims.local_seq_length(args.seq_length) * dims.sp
+    if args.max_position_embeddings is None:
+        args.max_position_embeddings = padded_length
+    if args.position_embedding_type == "learned_absolute":
+        require(args.max_position_embeddings >= padded_length,
+                f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
+                f"--seq-length ({args.seq_length}) padded to a multiple of --ulysses-sp-size "
+                f"({dims.sp}), {padded_length}, with learned absolute positions")
+    require(args.num_layers % dims.pp == 0,
+            f"--num-layers ({args.num_layers}) must be divisible by "
+            f"--pipeline-model-parallel-size ({dims.pp})")
+    if dims.tp == 1:
+        args.sequence_parallel = False  # as Megatron-LM: nothing to split at TP = 1
+    try:  # the loader pads s to a multiple of P; TP's sequence parallelism needs s/P % TP == 0
+        dims.validate_model(args.num_attention_heads, args.num_query_groups,
+                            args.seq_length if args.sequence_parallel else None)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+
+
+def _resolve_layers_and_attention(args, cuda: bool) -> None:
+    """Fill in --transformer-impl (the layer spec) and --ulysses-attention-backend (the core
+    attention) from each other and Megatron-LM's --attention-backend: TE's layers wherever TE
+    and CUDA are there, TE's attention in them by default; every backend runs in TE's layers,
+    te only there."""
+    if args.attention_backend != "auto":
+        ours = "local" if args.attention_backend == "local" else "te"
+        require(args.ulysses_attention_backend in ("auto", ours),
+                f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
+                f"{ours}, not {args.ulysses_attention_backend}; drop one of the two")
+        args.ulysses_attention_backend = ours
+    try:  # te without Transformer Engine or CUDA fails here, not when the model is built
+        if args.ulysses_attention_backend != "auto":
+            resolve_backend(args.ulysses_attention_backend)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if args.transformer_impl is None:
+        args.transformer_impl = "transformer_engine" if te_available() and cuda else "local"
+    if args.transformer_impl == "transformer_engine":
+        require(te_available(), "--transformer-impl transformer_engine needs Transformer Engine "
+                "(pip install 'megatron_ulysses[te]'); use --transformer-impl local")
+        require(cuda, "--transformer-impl transformer_engine needs CUDA (Transformer Engine's "
+                "kernels); on CPU use --transformer-impl local")
+    require(not (args.transformer_impl == "local" and args.ulysses_attention_backend == "te"),
+            "--ulysses-attention-backend te runs in Transformer Engine's layers: drop "
+            "--transformer-impl local, or use --ulysses-attention-backend sdpa or local")
+    if args.ulysses_attention_backend == "auto":
+        args.ulysses_attention_backend = ("te" if args.transformer_impl == "transformer_engine"
+                                          else "sdpa")
+
+
+def _check_rope(args) -> None:
+    if args.position_embedding_type != "rope":
+        for name in ("use_rope_scaling", "rotary_seq_len_interpolation_factor"):
+            require(getattr(args, name) in (False, None),
+                    f"{flag_name(name)} needs --position-embedding-type rope")
+        return
+    require(not (args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None),
+            "--use-rope-scaling and --rotary-seq-len-interpolation-factor are exclusive; give "
+            "one")
+    # megatron-core rotates int(d x percent) dims
+    rotary_dim = args.kv_channels if args.rotary_percent >= 1.0 else \
+        int(args.kv_channels * args.rotary_percent)
+    require(rotary_dim >= 2 and rotary_dim % 2 == 0,
+            f"RoPE rotates --kv-channels x --rotary-percent = {args.kv_channels} x "
+            f"{args.rotary_percent} -> {rotary_dim} dimensions per head, which must be even "
+            "and >= 2; change --rotary-percent (or --kv-channels)")

@@ -1,0 +1,51 @@
+"""The run's inputs: the tokenizer and data files checked before any process group, and the
+sequence-sharded train and validation batches (resumed where the run left them)."""
+
+from ..data.batches import Batches
+from ..data.datasets import build_train_valid_test_datasets, check_data_path
+from ..data.tokenizers import build_tokenizer_from, check_for_training
+from ..errors import ConfigError
+from .config import RunConfig
+
+
+def check_inputs(config: RunConfig):
+    """Before any process group: a tokenizer file that does not load or has no EOD, damaged
+    .idx/.bin files, and a --split that gives a split no documents (which megatron-core would
+    try to fill forever). The only full read of the .idx files. Returns the tokenizer."""
+    data = config.data
+    try:
+        tokenizer = build_tokenizer_from(data)
+        check_for_training(tokenizer, data.tokenizer_type, data.tokenizer_model)
+        if data.data_path:
+            check_data_path(list(data.data_path), split=data.split)
+    except (ValueError, ImportError, OSError, RuntimeError) as error:
+        raise ConfigError(str(error)) from None
+    return tokenizer
+
+
+def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
+    """Train and validation batches; both resume where the run left them (as Megatron-LM).
+    --skip-train: the validation batches from the split's start (the same for every
+    checkpoint), one train batch's worth of train samples (never read)."""
+    training = config.training
+    gbs = training.global_batch_size
+    if training.skip_train:
+        sizes, valid_consumed = [gbs, training.eval_iters * gbs, 0], 0
+    else:
+        evaluations = training.train_iters // training.eval_interval + 1
+        sizes = [training.train_iters * gbs, evaluations * training.eval_iters * gbs, 0]
+        valid_consumed = iteration // training.eval_interval * training.eval_iters * gbs
+    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+        tokenizer, config.model.seq_length, sizes,
+        data_path=list(config.data.data_path) if config.data.data_path else None,
+        split=config.data.split, mock_data=config.data.mock_data, seed=training.seed,
+        data_cache_path=config.data.data_cache_path,
+        reset_position_ids=config.data.reset_position_ids,
+        eod_mask_loss=config.data.eod_mask_loss,
+    )
+    mbs = training.micro_batch_size
+    train = Batches(train_ds, consumed, mbs, config.data, tokenizer) if train_ds else None
+    valid = None
+    if valid_ds is not None and training.eval_iters > 0:
+        valid = Batches(valid_ds, valid_consumed, mbs, config.data, tokenizer)
+    return train, valid
