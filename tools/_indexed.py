@@ -8,7 +8,9 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
@@ -79,12 +81,41 @@ def dataset_files(prefix: str) -> Tuple[str, str, str]:
     return prefix + ".bin", prefix + ".idx", prefix + ".tokenizer.json"
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Remove ``path``'s temporary files (``Staged`` names) left by a run on this host whose
+    process is gone (killed by SIGKILL or the OOM killer, so it could not clean up). Another
+    host's files are kept: on a shared file system its run may still be writing them."""
+    host = socket.gethostname()
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.tmp(\d+)\." + re.escape(host))
+    directory = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(directory):
+        match = pattern.fullmatch(name)
+        if match and not _running(int(match.group(1))):
+            os.remove(os.path.join(directory, name))
+            print(f"removed {os.path.join(directory, name)}: a temporary file of a run (pid "
+                  f"{match.group(1)}) that is no longer running", file=sys.stderr)
+
+
 class Staged:
     """``with Staged(paths) as staged``: write each path under ``staged.tmp[path]``; ``publish()``
-    renames them all into place, and leaving the block removes whatever was not published."""
+    renames them all into place, and leaving the block removes whatever was not published.
+    The temporary names carry the PID and host, so that a later run can remove those of a run
+    that was killed (``remove_stale_temporaries``)."""
 
     def __init__(self, paths: Iterable[str]):
-        self.tmp = {path: f"{path}.tmp{os.getpid()}" for path in paths}
+        self.tmp = {path: f"{path}.tmp{os.getpid()}.{socket.gethostname()}" for path in paths}
+        for path in self.tmp:
+            remove_stale_temporaries(path)
 
     def __enter__(self) -> "Staged":
         return self
