@@ -192,12 +192,17 @@ def _sha256(path: str) -> str:
 
 def tokenizer_record(args, tokenizer) -> Dict:
     """What the sidecar says about the tokenizer that made a dataset: its type, files (one
-    path, or GPT2BPETokenizer's vocab and merges joined by " + ") and their digest."""
-    from megatron_ulysses.data.tokenizers import tokenizer_files
+    path, or GPT2BPETokenizer's vocab and merges joined by " + "), their digest, and the
+    tokenizer options that differ from their defaults (TikTokenizer's pattern, ...)."""
+    from megatron_ulysses.data.tokenizers import (
+        TOKENIZER_OPTIONS, tokenizer_files, tokenizer_options)
 
     paths = list(tokenizer_files(args).values())
     digests = [_sha256(path) for path in paths]
+    options = {dest: value for dest, value in tokenizer_options(args).items()
+               if value != TOKENIZER_OPTIONS[dest][0]}
     return {
+        **({"tokenizer_options": options} if options else {}),
         "tokenizer_type": args.tokenizer_type,
         "tokenizer_model": " + ".join(os.path.abspath(p) for p in paths) or None,
         "tokenizer_model_sha256": (digests[0] if len(digests) == 1 else
@@ -229,11 +234,14 @@ def read_sidecar(prefix: str, flag: str) -> Optional[Dict]:
 
 
 def same_tokenizer(first: Dict, second: Dict) -> bool:
-    return all(first[key] == second[key] for key in TOKENIZER_IDENTITY)
+    return all(first[key] == second[key] for key in TOKENIZER_IDENTITY) and \
+        first.get("tokenizer_options", {}) == second.get("tokenizer_options", {})
 
 
 def describe_tokenizer(record: Dict) -> str:
     model = record.get("tokenizer_model")
     sha = record["tokenizer_model_sha256"]
     model_text = f" {model} (sha256 {str(sha)[:12]})" if sha else ""
-    return f"{record['tokenizer_type']}{model_text}, vocab size {record['vocab_size']}"
+    options = "".join(f", --{dest.replace('_', '-')} {value}"
+                      for dest, value in record.get("tokenizer_options", {}).items())
+    return f"{record['tokenizer_type']}{model_text}, vocab size {record['vocab_size']}{options}"
