@@ -24,7 +24,8 @@ setup(
         "te": ["transformer-engine[pytorch]"],
         "deepspeed": ["deepspeed"],
         "hf": ["transformers>=4.45", "safetensors"],  # Hugging Face import / export
-        # regex: the GPT-2 reference encoder in tests/test_tokenizers.py (\p{L}, \p{N})
-        "test": ["pytest", "transformers>=4.45", "safetensors", "regex"],
+        "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
+        # regex: the GPT-2 and tiktoken reference encoders in the tests (\p{L}, \p{N})
+        "test": ["pytest", "transformers>=4.45", "safetensors", "regex", "tiktoken"],
     },
 )

@@ -2,8 +2,12 @@
 ``IndexedDataset`` reader."""
 
 import gzip
+import itertools
 import json
+import os
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -114,11 +118,97 @@ def test_two_workers_write_identical_files(tmp_path, sp_model):
         ).read_bytes()
 
 
-def test_split_sentences_is_refused(tmp_path, sp_model, capsys):
+def test_split_sentences_without_nltk_says_what_to_install(tmp_path, sp_model, capsys,
+                                                         monkeypatch):
+    monkeypatch.setitem(sys.modules, "nltk", None)  # what `import nltk` sees without nltk
+    monkeypatch.setitem(sys.modules, "nltk.tokenize", None)
     source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
-    with pytest.raises(SystemExit):
-        preprocess(source, tmp_path / "out", sp_model, "--split-sentences")
-    assert "--split-sentences/--keep-newlines are not supported" in capsys.readouterr().err
+    assert preprocess(source, tmp_path / "out", sp_model, "--split-sentences") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --split-sentences needs nltk")
+    assert "pip install nltk && python -m nltk.downloader punkt_tab" in err[0]
+    assert not list(tmp_path.glob("out*"))
+
+
+class PeriodSplitter:
+    """Stands in for nltk punkt (not installed here): a sentence ends at '.' and a space."""
+
+    @staticmethod
+    def tokenize(text):
+        return re.split(r"(?<=\.) ", text)
+
+
+def test_split_sentences_stores_one_sequence_per_sentence(tmp_path, sp_model, monkeypatch):
+    monkeypatch.setattr(preprocess_data, "sentence_splitter", lambda lang, keep: PeriodSplitter())
+    texts = [TEXTS[0] + " " + TEXTS[1], TEXTS[3], " ".join([TEXTS[1], TEXTS[3], TEXTS[0]])]
+    source = write_jsonl(tmp_path / "docs.jsonl", texts)
+    assert preprocess(source, tmp_path / "out", sp_model, "--split-sentences", "--append-eod") == 0
+    assert not list(tmp_path.glob("out_text_document*"))
+    dataset = IndexedDataset(str(tmp_path / "out_text_sentence"))
+    processor = sentencepiece.SentencePieceProcessor(model_file=sp_model)
+    sentences = [[processor.encode_as_ids(s) for s in PeriodSplitter.tokenize(t)] for t in texts]
+    for doc in sentences:
+        doc[-1] = doc[-1] + [processor.eos_id()]  # EOD counts in the last sentence
+    assert [dataset[i].tolist() for i in range(len(dataset))] == [s for d in sentences for s in d]
+    assert dataset.document_indices.tolist() == [0, *itertools.accumulate(map(len, sentences))]
+    assert list(map(len, sentences)) == [2, 1, 3]
+
+
+@pytest.mark.parametrize("flags, order", [
+    (["--partitions", "2"], [0, 2, 4, 6, 1, 3, 5]),  # lines dealt round robin, then concatenated
+    (["--partitions", "3"], [0, 3, 6, 1, 4, 2, 5]),
+    (["--partitions", "3", "--keep-sequential-samples"], [0, 1, 2, 3, 4, 5, 6]),
+])
+def test_partitions_give_megatron_lm_document_order(tmp_path, sp_model, flags, order):
+    texts = [f"Document {i}: " + TEXTS[i % len(TEXTS)] for i in range(7)]
+    write_jsonl(tmp_path / "a.jsonl", texts[:3])  # the glob's files are read in sorted order
+    write_jsonl(tmp_path / "b.jsonl", texts[3:])
+    whole = write_jsonl(tmp_path / "whole.jsonl", [texts[i] for i in order])
+    assert preprocess(tmp_path / "[ab].jsonl", tmp_path / "parts", sp_model, *flags,
+                      "--workers", "2", "--chunk-size", "2") == 0
+    assert preprocess(whole, tmp_path / "whole", sp_model) == 0
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"parts_text_document{suffix}").read_bytes() == (
+            tmp_path / f"whole_text_document{suffix}").read_bytes()
+
+
+def test_find_optimal_num_workers_times_and_writes_nothing(tmp_path, sp_model, capsys):
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS * 3)
+    assert preprocess(source, tmp_path / "out", sp_model, "--find-optimal-num-workers",
+                      "--workers-to-check", "1", "2", "--max-documents", "5") == 0
+    captured = capsys.readouterr()
+    assert "1 workers: " in captured.err and "2 workers: " in captured.err
+    assert captured.err.count("over 5 lines") == 2
+    assert re.search(r"The most optimal num of workers is [12] ", captured.out)
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_byte_order_mark_keeps_the_first_document(tmp_path, sp_model, capsys):
+    plain = write_jsonl(tmp_path / "plain.jsonl", TEXTS)
+    marked = tmp_path / "marked.jsonl"
+    marked.write_bytes(b"\xef\xbb\xbf" + plain.read_bytes())
+    assert preprocess(marked, tmp_path / "marked", sp_model) == 0
+    assert "skipped" not in capsys.readouterr().err.split("done:")[0]
+    assert preprocess(plain, tmp_path / "plain", sp_model) == 0
+    assert read_documents(str(tmp_path / "marked_text_document")) == read_documents(
+        str(tmp_path / "plain_text_document"))
+
+
+def test_stale_temporary_files_of_dead_runs_are_removed(tmp_path, sp_model, capsys):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    host = socket.gethostname()
+    target = tmp_path / "out_text_document.bin"
+    stale = tmp_path / f"{target.name}.tmp{dead.pid}.{host}"
+    running = tmp_path / f"{target.name}.tmp{os.getppid()}.{host}"  # a live process's
+    elsewhere = tmp_path / f"{target.name}.tmp{dead.pid}.other-host"  # maybe live there
+    for path in (stale, running, elsewhere):
+        path.write_bytes(b"partial")
+    source = write_jsonl(tmp_path / "docs.jsonl", TEXTS)
+    assert preprocess(source, tmp_path / "out", sp_model) == 0
+    assert not stale.exists() and running.exists() and elsewhere.exists()
+    assert f"removed {stale}: a temporary file of a run (pid {dead.pid})" in \
+        capsys.readouterr().err
 
 
 def test_command_line_from_repo_root(tmp_path, sp_model):

@@ -125,6 +125,17 @@ def test_huggingface_is_megatron_cores_without_added_special_tokens(hf_dir):
     check_for_training(tokenizer, "HuggingFaceTokenizer", hf_dir)
 
 
+def test_huggingface_include_special_tokens_adds_the_bos(hf_dir):
+    from transformers import AutoTokenizer
+
+    reference = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    tokenizer = build_tokenizer("HuggingFaceTokenizer", hf_dir,
+                                tokenizer_hf_include_special_tokens=True)
+    text = "The baker starts work long before the town is awake."
+    assert tokenizer.tokenize(text) == reference(text).input_ids
+    assert tokenizer.tokenize(text)[0] == reference.bos_token_id
+
+
 def test_huggingface_garbage_directory_names_flag(tmp_path):
     pytest.importorskip("transformers")
     (tmp_path / "tokenizer.json").write_text("{not json", encoding="utf-8")
@@ -143,11 +154,12 @@ def test_not_a_sentencepiece_model_names_flag(tmp_path, tokenizer_type):
 
 
 def test_unknown_type_names_flag_and_choices():
-    with pytest.raises(ValueError, match="--tokenizer-type 'TikTokenizer'.*NullTokenizer"):
-        build_tokenizer("TikTokenizer", "vocab.json")
+    with pytest.raises(ValueError, match="--tokenizer-type 'BertWordPieceCase'.*TikTokenizer"):
+        build_tokenizer("BertWordPieceCase", vocab_file="vocab.txt")
 
 
-@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("tokenizer_type", ["GPTSentencePieceTokenizer", "HuggingFaceTokenizer",
+                                            "Llama2Tokenizer", "TikTokenizer"])
 def test_missing_model_names_flag(tmp_path, tokenizer_type):
     with pytest.raises(ValueError, match="needs --tokenizer-model"):
         build_tokenizer(tokenizer_type)

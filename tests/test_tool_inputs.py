@@ -67,7 +67,8 @@ def copy_dataset(prefix: Path, to: Path, sidecar: bool = True) -> Path:
 def datasets(tmp_path_factory, sp_model):
     """Small datasets by prefix name: ``sp`` (GPTSentencePieceTokenizer), ``sp_other_type``
     (SentencePieceTokenizer, same model), ``null`` (NullTokenizer, 1000 ids, uint16 like
-    ``sp``), ``null_int32`` (70000 ids); ``*_bare`` are copies without the tokenizer sidecar."""
+    ``sp``), ``null_eod5`` (the same with --null-tokenizer-eod-id 5), ``null_int32`` (70000 ids);
+    ``*_bare`` are copies without the tokenizer sidecar."""
     root = tmp_path_factory.mktemp("datasets")
     text = write_lines(root / "text.jsonl", [json.dumps({"text": t}) for t in TEXTS])
     ids = write_lines(root / "ids.jsonl", [json.dumps({"text": "1 2 3"}), '{"text": "4 999"}'])
@@ -77,6 +78,7 @@ def datasets(tmp_path_factory, sp_model):
         ("sp_other_type", text, ["--tokenizer-type", "SentencePieceTokenizer",
                                  "--tokenizer-model", sp_model]),
         ("null", ids, NULL),
+        ("null_eod5", ids, NULL + ["--null-tokenizer-eod-id", "5"]),
         ("null_int32", ids, ["--tokenizer-type", "NullTokenizer", "--vocab-size", "70000"]),
     ]:
         assert preprocess_data.main(["--input", str(source), "--output-prefix", str(root / name),
@@ -305,6 +307,8 @@ def test_inspect_refuses_bad_flags(capsys, datasets, argv, words):
                                  "vocab size 1000 vs NullTokenizer, vocab size 1001",
                                  "--tokenizer-type/--tokenizer-model/--vocab-size"]),
     (["sp", "sp_other_type"], 2, [0, 1], ["different tokenizers", "vs SentencePieceTokenizer"]),
+    (["null", "null_eod5"], 2, [0, 1], ["different tokenizers", "vocab size 1001 vs Null",
+                                        "vocab size 1001, --null-tokenizer-eod-id 5"]),
     (["null", "sp_bare", "null_int32"], 2, [0, 2], ["different tokenizers", "vocab size 70001"]),
     (["sp_bare", "null_int32_bare"], 2, [0, 1], ["different token dtypes", ": uint16", ": int32",
                                                  "--tokenizer-type/--tokenizer-model"]),

@@ -8,7 +8,9 @@ import functools
 import hashlib
 import json
 import os
+import re
 import signal
+import socket
 import sys
 from pathlib import Path
 from typing import Callable, Dict, Iterable, NamedTuple, Optional, Tuple
@@ -79,12 +81,41 @@ def dataset_files(prefix: str) -> Tuple[str, str, str]:
     return prefix + ".bin", prefix + ".idx", prefix + ".tokenizer.json"
 
 
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def remove_stale_temporaries(path: str) -> None:
+    """Remove ``path``'s temporary files (``Staged`` names) left by a run on this host whose
+    process is gone (killed by SIGKILL or the OOM killer, so it could not clean up). Another
+    host's files are kept: on a shared file system its run may still be writing them."""
+    host = socket.gethostname()
+    pattern = re.compile(re.escape(os.path.basename(path)) + r"\.tmp(\d+)\." + re.escape(host))
+    directory = os.path.dirname(os.path.abspath(path))
+    for name in os.listdir(directory):
+        match = pattern.fullmatch(name)
+        if match and not _running(int(match.group(1))):
+            os.remove(os.path.join(directory, name))
+            print(f"removed {os.path.join(directory, name)}: a temporary file of a run (pid "
+                  f"{match.group(1)}) that is no longer running", file=sys.stderr)
+
+
 class Staged:
     """``with Staged(paths) as staged``: write each path under ``staged.tmp[path]``; ``publish()``
-    renames them all into place, and leaving the block removes whatever was not published."""
+    renames them all into place, and leaving the block removes whatever was not published.
+    The temporary names carry the PID and host, so that a later run can remove those of a run
+    that was killed (``remove_stale_temporaries``)."""
 
     def __init__(self, paths: Iterable[str]):
-        self.tmp = {path: f"{path}.tmp{os.getpid()}" for path in paths}
+        self.tmp = {path: f"{path}.tmp{os.getpid()}.{socket.gethostname()}" for path in paths}
+        for path in self.tmp:
+            remove_stale_temporaries(path)
 
     def __enter__(self) -> "Staged":
         return self
@@ -161,12 +192,17 @@ def _sha256(path: str) -> str:
 
 def tokenizer_record(args, tokenizer) -> Dict:
     """What the sidecar says about the tokenizer that made a dataset: its type, files (one
-    path, or GPT2BPETokenizer's vocab and merges joined by " + ") and their digest."""
-    from megatron_ulysses.data.tokenizers import tokenizer_files
+    path, or GPT2BPETokenizer's vocab and merges joined by " + "), their digest, and the
+    tokenizer options that differ from their defaults (TikTokenizer's pattern, ...)."""
+    from megatron_ulysses.data.tokenizers import (
+        TOKENIZER_OPTIONS, tokenizer_files, tokenizer_options)
 
     paths = list(tokenizer_files(args).values())
     digests = [_sha256(path) for path in paths]
+    options = {dest: value for dest, value in tokenizer_options(args).items()
+               if value != TOKENIZER_OPTIONS[dest][0]}
     return {
+        **({"tokenizer_options": options} if options else {}),
         "tokenizer_type": args.tokenizer_type,
         "tokenizer_model": " + ".join(os.path.abspath(p) for p in paths) or None,
         "tokenizer_model_sha256": (digests[0] if len(digests) == 1 else
@@ -198,11 +234,14 @@ def read_sidecar(prefix: str, flag: str) -> Optional[Dict]:
 
 
 def same_tokenizer(first: Dict, second: Dict) -> bool:
-    return all(first[key] == second[key] for key in TOKENIZER_IDENTITY)
+    return all(first[key] == second[key] for key in TOKENIZER_IDENTITY) and \
+        first.get("tokenizer_options", {}) == second.get("tokenizer_options", {})
 
 
 def describe_tokenizer(record: Dict) -> str:
     model = record.get("tokenizer_model")
     sha = record["tokenizer_model_sha256"]
     model_text = f" {model} (sha256 {str(sha)[:12]})" if sha else ""
-    return f"{record['tokenizer_type']}{model_text}, vocab size {record['vocab_size']}"
+    options = "".join(f", --{dest.replace('_', '-')} {value}"
+                      for dest, value in record.get("tokenizer_options", {}).items())
+    return f"{record['tokenizer_type']}{model_text}, vocab size {record['vocab_size']}{options}"

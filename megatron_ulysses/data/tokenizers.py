@@ -1,11 +1,11 @@
 """The ``--tokenizer-type`` tokenizers, usable as ``GPTDatasetConfig.tokenizer``.
 
-``GPTSentencePieceTokenizer`` and ``HuggingFaceTokenizer`` are megatron-core's own
-(``megatron.core.tokenizers.MegatronTokenizer`` with its sentencepiece and huggingface libraries,
-which give the same ids in megatron-core 0.16 and 0.19); this module only checks
-``--tokenizer-model`` first, so that errors name the flag.
+``GPTSentencePieceTokenizer``, ``HuggingFaceTokenizer`` and ``TikTokenizer`` are megatron-core's
+own (``megatron.core.tokenizers.MegatronTokenizer`` with its sentencepiece, huggingface and
+tiktoken libraries, which give the same ids in megatron-core 0.16 and 0.19); this module only
+checks their flags first, so that errors name the flag.
 
-Three are ours because megatron-core has no tokenizer with their Megatron-LM ids:
+Four are ours because megatron-core has no tokenizer with their Megatron-LM ids:
 
 * ``SentencePieceTokenizer``: Megatron-LM appends ``<CLS> <SEP> <EOD> <MASK>`` (then pad, bos,
   eos and ``<extra_id_i>``) to the model's pieces and uses ``<EOD>`` as eod, while megatron-core's
@@ -15,12 +15,17 @@ Three are ours because megatron-core has no tokenizer with their Megatron-LM ids
   which megatron-core's null library gives in 0.16 but not in 0.19 (eod = ``vocab_size - 1``).
 * ``GPT2BPETokenizer``: GPT-2's byte-level BPE from ``--vocab-file`` and ``--merge-file``;
   megatron-core's downloads the files when not given and reads the vocab file as the merges.
+* ``Llama2Tokenizer``: Megatron-LM's (``--legacy-tokenizer``) puts the model's BOS before every
+  text it tokenizes, with eod = eos; megatron-core maps the type to its plain sentencepiece
+  library, which is ``GPTSentencePieceTokenizer`` here.
 """
 
 import json
 import os
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..errors import flag_name
 
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
@@ -28,7 +33,24 @@ TOKENIZER_TYPES = (
     "HuggingFaceTokenizer",
     "GPT2BPETokenizer",
     "NullTokenizer",
+    "Llama2Tokenizer",
+    "TikTokenizer",
 )
+
+# The tokenizer flags beyond the files: dest -> (default, the one --tokenizer-type reading it).
+TOKENIZER_OPTIONS = {
+    "vocab_extra_ids": (0, "SentencePieceTokenizer"),
+    "tokenizer_special_tokens": (None, "TikTokenizer"),
+    "tiktoken_pattern": (None, "TikTokenizer"),
+    "tiktoken_num_special_tokens": (1000, "TikTokenizer"),
+    "tokenizer_hf_use_fast": (True, "HuggingFaceTokenizer"),
+    "tokenizer_hf_include_special_tokens": (False, "HuggingFaceTokenizer"),
+    "trust_remote_code": (False, "HuggingFaceTokenizer"),
+    "null_tokenizer_eod_id": (None, "NullTokenizer"),
+    "null_tokenizer_pad_id": (-1, "NullTokenizer"),
+}
+# What TikTokenizer's special tokens must hold (megatron-core's tiktoken library).
+TIKTOKEN_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<mask>", "<pad>", "<cls>", "<sep>")
 
 
 def add_tokenizer_arguments(group, type_required: bool = False, type_help: str = None) -> None:
@@ -40,6 +62,47 @@ def add_tokenizer_arguments(group, type_required: bool = False, type_help: str =
     group.add_argument("--vocab-size", type=int, default=None, help="for NullTokenizer")
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: vocab.json")
     group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: merges.txt")
+    _add_option_arguments(group)
+
+
+def _add_option_arguments(group) -> None:
+    """The ``TOKENIZER_OPTIONS`` flags, Megatron-LM's spellings (both of a renamed pair)."""
+    default = {dest: value for dest, (value, _) in TOKENIZER_OPTIONS.items()}
+    group.add_argument("--vocab-extra-ids", type=int, default=default["vocab_extra_ids"],
+                       help="SentencePieceTokenizer: <extra_id_i> tokens added")
+    group.add_argument("--tokenizer-special-tokens", "--tiktoken-special-tokens", nargs="+",
+                       dest="tokenizer_special_tokens", default=None,
+                       help="TikTokenizer: its special tokens, ids 0.. in this order; must hold "
+                       + " ".join(TIKTOKEN_SPECIAL_TOKENS) + " (the default list)")
+    group.add_argument("--tiktoken-pattern", choices=("v1", "v2"), default=None,
+                       help="TikTokenizer: the pre-tokenizer regex (default v2)")
+    group.add_argument("--tiktoken-num-special-tokens", type=int,
+                       default=default["tiktoken_num_special_tokens"],
+                       help="TikTokenizer: ids below this are special tokens (filled with "
+                       "<SPECIAL_i>); the vocabulary's ranks start here")
+    for flag, dest, action in (
+            ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", "store_false"),
+            ("--tokenizer-hf-use-fast", "tokenizer_hf_use_fast", "store_true"),
+            ("--tokenizer-hf-include-special-tokens", "tokenizer_hf_include_special_tokens",
+             "store_true"),
+            ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens",
+             "store_false")):
+        group.add_argument(flag, dest=dest, action=action, default=default[dest],
+                           help=f"HuggingFaceTokenizer (default: {flag.split('-hf-')[1]} "
+                           f"{'on' if default[dest] else 'off'})")
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="HuggingFaceTokenizer: run the tokenizer directory's own code")
+    group.add_argument("--null-tokenizer-eod-id", type=int, default=None,
+                       help="NullTokenizer: the eod id (default --vocab-size)")
+    group.add_argument("--null-tokenizer-pad-id", type=int,
+                       default=default["null_tokenizer_pad_id"],
+                       help="NullTokenizer: the pad id (default -1: none, eod pads)")
+
+
+def tokenizer_options(config: Any) -> Dict[str, Any]:
+    """The ``TOKENIZER_OPTIONS`` of ``config`` (attributes), their defaults where it has none."""
+    return {dest: getattr(config, dest, default)
+            for dest, (default, _) in TOKENIZER_OPTIONS.items()}
 
 
 def _files_of(tokenizer_type: str, tokenizer_model: Optional[str], vocab_file: Optional[str],
@@ -81,6 +144,9 @@ def check_tokenizer_flags(config: Any) -> None:
                                        ("--tokenizer-model", config.tokenizer_model))
               if value is not None and flag not in files
               and not (flag == "--tokenizer-model" and config.tokenizer_type == "NullTokenizer")]
+    unused += [_flag(dest, value) for dest, value in tokenizer_options(config).items()
+               if value != TOKENIZER_OPTIONS[dest][0]
+               and TOKENIZER_OPTIONS[dest][1] != config.tokenizer_type]
     if unused:
         raise ValueError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used "
                          f"by --tokenizer-type {config.tokenizer_type}; drop "
@@ -88,10 +154,18 @@ def check_tokenizer_flags(config: Any) -> None:
                          f"{'it' if len(unused) == 1 else 'them'}")
 
 
+def _flag(dest: str, value: Any) -> str:
+    """The flag that set ``dest`` to ``value`` (``--tokenizer-hf-no-use-fast`` for False)."""
+    if value is False and TOKENIZER_OPTIONS[dest][0] is True:
+        return flag_name(dest).replace("-hf-", "-hf-no-")
+    return flag_name(dest)
+
+
 def build_tokenizer_from(config: Any):
     """``build_tokenizer`` for the tokenizer flags of ``config`` (attributes)."""
     return build_tokenizer(config.tokenizer_type, config.tokenizer_model, config.vocab_size,
-                           vocab_file=config.vocab_file, merge_file=config.merge_file)
+                           vocab_file=config.vocab_file, merge_file=config.merge_file,
+                           **tokenizer_options(config))
 
 
 def _unique_identifiers(tokenizer: Any, path: Optional[str], **options: Any) -> OrderedDict:
@@ -224,12 +298,21 @@ class SentencePieceTokenizer(_VocabTokenizer):
 
 class NullTokenizer:
     """Megatron-LM ``NullTokenizer`` (see the module docstring): text is whitespace-separated
-    ids; no pad id."""
+    ids; eod ``--null-tokenizer-eod-id`` (default ``vocab_size``); no pad id unless
+    ``--null-tokenizer-pad-id`` gives one."""
 
-    def __init__(self, vocab_size: int):
-        self.unique_identifiers = _unique_identifiers(self, None, vocab_size=vocab_size)
-        self.eod = self.eos = int(vocab_size)
-        self.vocab_size = self.eod + 1
+    def __init__(self, vocab_size: int, eod_id: Optional[int] = None, pad_id: int = -1):
+        ids = {"eod_id": eod_id} if eod_id is not None else {}
+        ids.update({"pad_id": pad_id} if pad_id != -1 else {})
+        self.unique_identifiers = _unique_identifiers(self, None, vocab_size=vocab_size, **ids)
+        self.vocab_size = int(vocab_size) + 1
+        self.eod = self.eos = int(vocab_size) if eod_id is None else int(eod_id)
+        self._pad = int(pad_id)
+        for flag, value in (("--null-tokenizer-eod-id", self.eod),
+                            ("--null-tokenizer-pad-id", None if pad_id == -1 else self._pad)):
+            if value is not None and not 0 <= value < self.vocab_size:
+                raise ValueError(f"{flag} {value} is outside the NullTokenizer's ids [0, "
+                                 f"{self.vocab_size}) (--vocab-size {vocab_size} plus eod)")
 
     def tokenize(self, text: str) -> List[int]:
         return [int(x) for x in text.split()]
@@ -239,7 +322,36 @@ class NullTokenizer:
 
     @property
     def pad(self) -> int:
-        raise NotImplementedError("NullTokenizer has no attribute 'pad'")
+        if self._pad == -1:
+            raise NotImplementedError("NullTokenizer has no attribute 'pad'")
+        return self._pad
+
+
+class Llama2Tokenizer:
+    """Megatron-LM ``Llama2Tokenizer`` (``--legacy-tokenizer``): the sentencepiece model's ids
+    with its BOS before every tokenized text; eod = eos; pad is the model's (-1 when none)."""
+
+    def __init__(self, model_file: str):
+        import sentencepiece
+
+        self.unique_identifiers = _unique_identifiers(self, model_file)
+        self.tokenizer = _load_sentencepiece(
+            model_file, "Llama2Tokenizer",
+            lambda: sentencepiece.SentencePieceProcessor(model_file=model_file), len)
+        self.vocab_size = len(self.tokenizer)
+        self.bos, self.eos, self.pad = (self.tokenizer.bos_id(), self.tokenizer.eos_id(),
+                                        self.tokenizer.pad_id())
+        self.eod = self.eos
+        if self.bos < 0:
+            raise ValueError(f"--tokenizer-model {model_file!r} has no BOS piece, which "
+                             "--tokenizer-type Llama2Tokenizer puts before every text; use "
+                             "GPTSentencePieceTokenizer (no BOS) or a model trained with one")
+
+    def tokenize(self, text: str) -> List[int]:
+        return [self.bos] + self.tokenizer.encode_as_ids(text)
+
+    def detokenize(self, ids: List[int]) -> str:
+        return self.tokenizer.decode_ids(list(ids))
 
 
 class GPT2BPETokenizer(_VocabTokenizer):
@@ -316,11 +428,13 @@ def _gpt_sentencepiece_tokenizer(model_file: str):
         lambda tokenizer: tokenizer.vocab_size)
 
 
-def _huggingface_tokenizer(model_path: str):
+def _huggingface_tokenizer(model_path: str, use_fast: bool, include_special_tokens: bool,
+                           trust_remote_code: bool):
     """megatron-core's huggingface tokenizer over a local ``transformers`` tokenizer directory
     (never downloads): ``eod`` is its eos id; text is encoded without the special tokens the
-    tokenizer would add (BOS), as before. ``use_fast``/``include_special_tokens`` are given
-    because their defaults differ between megatron-core 0.16 and 0.19."""
+    tokenizer would add (BOS) unless ``include_special_tokens``. ``use_fast`` and
+    ``include_special_tokens`` are always given because their defaults differ between
+    megatron-core 0.16 and 0.19 (and Megatron-LM's since: fast, with special tokens)."""
     if not os.path.isdir(model_path):
         raise ValueError(
             f"--tokenizer-model {model_path!r} is not a directory; --tokenizer-type "
@@ -337,8 +451,9 @@ def _huggingface_tokenizer(model_path: str):
             "--tokenizer-model"
         ) from err
     try:
-        return _megatron_core_tokenizer("huggingface", model_path, use_fast=True,
-                                        include_special_tokens=False)
+        return _megatron_core_tokenizer("huggingface", model_path, use_fast=use_fast,
+                                        include_special_tokens=include_special_tokens,
+                                        trust_remote_code=trust_remote_code)
     except Exception as error:  # megatron-core re-raises transformers' errors as ValueError
         detail = str(error).split("Exception: ", 1)[-1].strip().splitlines()
         raise ValueError(
@@ -346,6 +461,63 @@ def _huggingface_tokenizer(model_path: str):
             f"({detail[0] if detail else type(error).__name__}); --tokenizer-type "
             "HuggingFaceTokenizer needs the directory that tokenizer.save_pretrained() wrote"
         ) from None
+
+
+def _tiktoken_tokenizer(path: str, vocab_size: Optional[int], pattern: Optional[str],
+                        num_special: int, special_tokens: Optional[Sequence[str]]):
+    """megatron-core's tiktoken tokenizer: ids ``[0, num_special)`` are ``special_tokens``
+    (then ``<SPECIAL_i>``), the ranks of the JSON vocabulary ``path`` follow, cut to
+    ``vocab_size`` (default 2**17) ids; eod is ``</s>``; special tokens written in the text are
+    encoded as such."""
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError as err:
+        raise ImportError("--tokenizer-type TikTokenizer needs the 'tiktoken' package (pip "
+                          "install tiktoken, or megatron_ulysses[tiktoken])") from err
+    vocab_size = 2 ** 17 if vocab_size is None else vocab_size
+    special = list(TIKTOKEN_SPECIAL_TOKENS if special_tokens is None else special_tokens)
+    missing = [token for token in TIKTOKEN_SPECIAL_TOKENS if token not in special]
+    if missing or len(set(special)) != len(special):
+        raise ValueError(f"--tokenizer-special-tokens {' '.join(special)} must hold each of "
+                         f"{' '.join(TIKTOKEN_SPECIAL_TOKENS)} once (missing: "
+                         f"{' '.join(missing) or 'none'})")
+    if not len(special) <= num_special < vocab_size:
+        raise ValueError(f"--tiktoken-num-special-tokens {num_special} must be at least the "
+                         f"{len(special)} special tokens and below --vocab-size {vocab_size}")
+    ranks = _tiktoken_ranks(path)
+    if ranks < vocab_size - num_special:
+        raise ValueError(f"--tokenizer-model {path!r} has {ranks} ranks, fewer than --vocab-size "
+                         f"{vocab_size} minus --tiktoken-num-special-tokens {num_special}; "
+                         f"give --vocab-size {ranks + num_special} or less")
+    options = {"pattern": pattern} if pattern else {}
+    return _megatron_core_tokenizer("tiktoken", path, vocab_size=vocab_size,
+                                    num_special_tokens=num_special,
+                                    special_tokens=special, **options)
+
+
+def _tiktoken_ranks(path: str) -> int:
+    """The number of ranks in a tiktoken JSON vocabulary: a list of ``{"rank": i,
+    "token_bytes": base64, "token_str": str}``, ranks 0.. in order, the first 256 single bytes.
+    ``ValueError`` naming ``--tokenizer-model`` if it is not one."""
+    import base64
+    import binascii
+
+    problem = "" if path.endswith(".json") else "its name does not end in .json"
+    try:
+        with open(path, encoding="utf-8") as stream:
+            vocab = json.load(stream)
+        for rank, entry in enumerate(vocab if isinstance(vocab, list) else [None]):
+            token = base64.b64decode(entry["token_bytes"], validate=True)
+            if entry["rank"] != rank or set(entry) != {"rank", "token_bytes", "token_str"} \
+                    or (rank < 256 and token != bytes([rank])):
+                problem = problem or f"entry {rank} is {str(entry)[:60]}"
+    except (OSError, ValueError, TypeError, KeyError, binascii.Error) as error:
+        problem = f"{type(error).__name__}: {error}"
+    if problem:
+        raise ValueError(f"--tokenizer-model {path!r} is not a tiktoken vocabulary ({problem}); "
+                         "--tokenizer-type TikTokenizer needs the JSON list of {rank, "
+                         "token_bytes, token_str} with ranks 0, 1, ..., the first 256 the bytes")
+    return len(vocab)
 
 
 def _special_id(tokenizer: Any, name: str) -> Optional[int]:
@@ -373,34 +545,46 @@ def build_tokenizer(
     vocab_extra_ids: int = 0,
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
+    **options: Any,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
 
-    ``tokenizer_model`` (``--tokenizer-model``) is a sentencepiece ``.model`` file or a local
-    HuggingFace tokenizer directory; ``vocab_size`` (``--vocab-size``) is for ``NullTokenizer``;
-    ``vocab_file`` and ``merge_file`` (``--vocab-file``, ``--merge-file``) for
-    ``GPT2BPETokenizer``.
+    ``tokenizer_model`` (``--tokenizer-model``) is a sentencepiece ``.model`` file, a local
+    HuggingFace tokenizer directory or a tiktoken JSON vocabulary; ``vocab_size``
+    (``--vocab-size``) is for ``NullTokenizer`` and ``TikTokenizer``; ``vocab_file`` and
+    ``merge_file`` (``--vocab-file``, ``--merge-file``) for ``GPT2BPETokenizer``; ``options``
+    are the other ``TOKENIZER_OPTIONS`` (their flags' dests), defaults where not given.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
         raise ValueError(
             f"--tokenizer-type {tokenizer_type!r} is not supported; choose one of "
             f"{', '.join(TOKENIZER_TYPES)}"
         )
+    option = {dest: default for dest, (default, _) in TOKENIZER_OPTIONS.items()}
+    option.update(options, vocab_extra_ids=vocab_extra_ids)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or int(vocab_size) <= 0:
             raise ValueError(
                 f"--tokenizer-type NullTokenizer needs a positive --vocab-size (got {vocab_size!r})"
             )
-        return NullTokenizer(int(vocab_size))
+        return NullTokenizer(int(vocab_size), option["null_tokenizer_eod_id"],
+                             option["null_tokenizer_pad_id"])
     _check_files(tokenizer_type, _files_of(tokenizer_type, tokenizer_model, vocab_file,
                                            merge_file))
-    if tokenizer_type == "GPT2BPETokenizer":
-        return GPT2BPETokenizer(vocab_file, merge_file)
-    if tokenizer_type == "SentencePieceTokenizer":
-        return SentencePieceTokenizer(tokenizer_model, vocab_extra_ids=vocab_extra_ids)
-    if tokenizer_type == "GPTSentencePieceTokenizer":
-        return _gpt_sentencepiece_tokenizer(tokenizer_model)
-    return _huggingface_tokenizer(tokenizer_model)
+    builders = {
+        "GPT2BPETokenizer": lambda: GPT2BPETokenizer(vocab_file, merge_file),
+        "SentencePieceTokenizer": lambda: SentencePieceTokenizer(
+            tokenizer_model, vocab_extra_ids=option["vocab_extra_ids"]),
+        "GPTSentencePieceTokenizer": lambda: _gpt_sentencepiece_tokenizer(tokenizer_model),
+        "Llama2Tokenizer": lambda: Llama2Tokenizer(tokenizer_model),
+        "TikTokenizer": lambda: _tiktoken_tokenizer(
+            tokenizer_model, vocab_size, option["tiktoken_pattern"],
+            option["tiktoken_num_special_tokens"], option["tokenizer_special_tokens"]),
+        "HuggingFaceTokenizer": lambda: _huggingface_tokenizer(
+            tokenizer_model, option["tokenizer_hf_use_fast"],
+            option["tokenizer_hf_include_special_tokens"], option["trust_remote_code"]),
+    }
+    return builders[tokenizer_type]()
 
 
 def check_for_training(tokenizer: Any, tokenizer_type: str,
