@@ -26,6 +26,16 @@ class DataConfig:
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
+    # The TOKENIZER_OPTIONS (data/tokenizers.py): build_tokenizer_from reads them by name.
+    vocab_extra_ids: int
+    tokenizer_special_tokens: Optional[Tuple[str, ...]]
+    tiktoken_pattern: Optional[str]
+    tiktoken_num_special_tokens: int
+    tokenizer_hf_use_fast: bool
+    tokenizer_hf_include_special_tokens: bool
+    trust_remote_code: bool
+    null_tokenizer_eod_id: Optional[int]
+    null_tokenizer_pad_id: int
 
 
 def add_arguments(parser) -> None:
