@@ -21,6 +21,10 @@ not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
 
 Model tensors are stored unsharded-by-layout, so a run can resume with another
 `--ulysses-sp-size` or data-parallel size (TP and PP must match).
+
+Megatron-LM's torch_dist checkpoints load too (`megatron_lm_checkpoint` maps their common
+state onto ours): the model at any SP size, its LR schedule, iteration and consumed samples; RNG
+states restart from --seed.
 """
 
 import contextlib
@@ -28,6 +32,7 @@ import dataclasses
 import errno
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -36,6 +41,7 @@ import warnings
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import __version__ as megatron_core_version
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -49,6 +55,7 @@ from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from ..errors import ConfigError, flag_name
+from . import megatron_lm_checkpoint
 from .logging import print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
 
@@ -370,20 +377,35 @@ def _checkpoint_path(root: str, iteration: int) -> str:
                       "not exist; fix the tracker or --load another directory")
 
 
+def _load_common(path: str):
+    """megatron-core's read of the common state (torch's weights_only unpickler with
+    megatron-core's safe globals, after `check_checkpoint_files`)."""
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except pickle.UnpicklingError as error:  # an admitted class this megatron-core lacks
+        raise ConfigError(f"--load {path}: this megatron-core ({megatron_core_version}) "
+                          f"cannot read its common state: {str(error).splitlines()[0]}") from None
+
+
 def read_common_state(root: str):
     """(iteration, path, common state dict) of the latest checkpoint in `root`, None when there
-    is none; its files are checked for pickled code before megatron-core reads them. Needs no
-    process group."""
+    is none; its files are checked for pickled code before megatron-core reads them. A
+    Megatron-LM checkpoint's common state comes in our layout (`megatron_lm_checkpoint`). Needs
+    no process group."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
     path = _checkpoint_path(root, iteration)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = _load_common(path)
+    if megatron_lm_checkpoint.is_megatron_lm(common):
+        return iteration, path, megatron_lm_checkpoint.common_state(
+            path, common, _SAVED_ARGS, OPTIMIZER_METADATA)
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         version = common.get("format_version") if isinstance(common, dict) else None
         raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
-                          f"megatron_ulysses reads format {FORMAT_VERSION}")
+                          f"megatron_ulysses reads format {FORMAT_VERSION} and Megatron-LM's "
+                          "torch_dist checkpoints")
     return iteration, path, common
 
 
@@ -439,7 +461,10 @@ def _rng_states_to_load(path: str, common: dict, seed: int):
     saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
     if saved_layout == layout:
         return rng_states
-    if isinstance(saved_layout, dict) and all(
+    if common.get("saved_by") == megatron_lm_checkpoint.SAVED_BY:
+        why = ("it was saved by Megatron-LM, whose RNG states are one per TP x PP rank, seeded "
+               "without Ulysses SP ranks")
+    elif isinstance(saved_layout, dict) and all(
             saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
         why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "
                f"this run's {sorted(layout['states'])}")
@@ -481,6 +506,9 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     with_optimizer = not (model_only or flags.no_load_optim)
     if with_optimizer:
         _check_optimizer_args(path, saved_args, _saved_args(config))
+        if common.get("optimizer_refusal"):
+            raise ConfigError(f"--load {path}: {common['optimizer_refusal']}; pass "
+                              "--no-load-optim to load the weights only (Adam moments restart)")
     rng_states = None
     if not (model_only or flags.no_load_rng):
         rng_states = _rng_states_to_load(path, common, config.training.seed)
@@ -502,4 +530,4 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     print_rank_0(f" loaded checkpoint from {path} at iteration {iteration}")
     if flags.finetune:
         return 0, 0
-    return iteration, loaded["consumed_samples"]
+    return iteration, common["consumed_samples"]

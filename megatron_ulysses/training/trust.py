@@ -2,10 +2,12 @@
 
 A checkpoint is untrusted input. Everything megatron_ulysses stores besides tensors is a plain
 value (int, float, str, bool, None, lists, dicts): RNG states are tensors, the iteration,
-samples, arguments and the scheduler state are JSON-able. Before megatron-core reads anything,
-every file it would unpickle is checked with a restricted unpickler that admits only tensors,
-plain containers and torch.distributed.checkpoint's metadata classes, for both megatron-core
-0.16 and 0.19:
+samples, arguments and the scheduler state are JSON-able. Megatron-LM's checkpoints also pickle
+its args (an `argparse.Namespace`), numpy RNG states and a few of megatron-core's enums
+(`_MEGATRON_LM`). Before megatron-core reads anything, every file it would unpickle is checked
+with a restricted unpickler that admits only tensors, plain containers, torch.distributed.
+checkpoint's metadata classes (in `.metadata`) and the `_MEGATRON_LM` types (in `.pt` files and
+ShardedObjects), for both megatron-core 0.16 and 0.19:
   * `.metadata` (and any rank-local `__<rank>.metadata`): `pickle.load` in DCP's FileSystemReader;
   * every BytesIO item those files list (ShardedObjects: the common state in 0.19, layers'
     `_extra_state`, anything planted), read from `*.distcp` and unpickled by DCP's
@@ -31,14 +33,19 @@ import torch
 
 from ..errors import ConfigError
 
+
 class _Refused(Exception):
     """What a checked pickle holds that is not allowed."""
 
 
 class _Stub:
-    """Stands for a tensor or storage while a torch payload is checked: nothing is rebuilt."""
+    """Stands for a tensor, storage or admitted object while a payload is checked: nothing is
+    rebuilt, and no constructor or `__setstate__` of the real class runs."""
 
     def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
         pass
 
 
@@ -71,6 +78,29 @@ _PLAIN = {
 }
 # torch.save's tensor pickles: checked with stubs, so no rebuild code runs while checking.
 _TENSOR_REBUILD = {("torch._utils", "_rebuild_tensor_v2"): _stub}
+# What Megatron-LM's `save_checkpoint` pickles besides tensors and plain values (the subset of
+# megatron-core's own `safe_globals.SAFE_GLOBALS` that a GPT checkpoint holds), admitted in
+# `.pt` files and ShardedObject items only: its `args` (an argparse.Namespace holding torch
+# dtypes, `--attention-backend`'s AttnBackend, `model_type`, `--exit-signal`'s signal, paths,
+# CUDA-graph scopes), the rerun state machine's enums, numpy's RNG state (a tuple with a uint32
+# ndarray: `_reconstruct`, `ndarray`, `dtype`, numpy scalars) and protocol 2's bytes
+# (`_codecs.encode`). All are stubs while checking; megatron-core then reads `common.pt` with
+# torch's weights_only unpickler, which builds these from its own list.
+_MEGATRON_LM = {key: _Stub for key in (
+    ("argparse", "Namespace"), ("pathlib", "PosixPath"), ("signal", "Signals"),
+    ("_codecs", "encode"),
+    ("numpy", "ndarray"), ("numpy", "dtype"),
+    ("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar"),
+    ("megatron.core.enums", "ModelType"),
+    ("megatron.core.transformer.enums", "AttnBackend"),
+    ("megatron.core.transformer.enums", "CudaGraphScope"),
+    ("megatron.core.transformer.enums", "CudaGraphModule"),
+    ("megatron.core.transformer.enums", "InferenceCudaGraphScope"),
+    ("megatron.core.rerun_state_machine", "RerunMode"),
+    ("megatron.core.rerun_state_machine", "RerunState"),
+    ("megatron.core.rerun_state_machine", "RerunDiagnostic"),
+)}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -105,7 +135,8 @@ def _unpickle(data: bytes, allowed: dict, storages: bool = False):
 
 
 def _check_torch_payload(data: bytes) -> None:
-    """A `torch.save` zip: every pickle in it may hold only tensors and plain values."""
+    """A `torch.save` zip: every pickle in it may hold only tensors, plain values and the
+    `_MEGATRON_LM` types."""
     if not data.startswith(b"PK\x03\x04"):  # torch.load's own test for its zip format
         raise _Refused("a legacy (non-zip) torch.save pickle")
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
@@ -116,17 +147,17 @@ def _check_torch_payload(data: bytes) -> None:
         if not any(os.path.basename(n) == "data.pkl" for n in pickles):
             raise _Refused("a zip without data.pkl")
         for name in pickles:
-            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD}, storages=True)
+            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD, **_MEGATRON_LM},
+                      storages=True)
 
 
 def _refusal(path: str, file: str, what: str, where: str = "") -> ConfigError:
-    origin = ("saved before megatron_ulysses stored RNG states as tensors (they held pickled "
-              "numpy arrays), not written by it, or tampered with") if "'rng_state/" in where \
-        else "not written by megatron_ulysses or tampered with"
     return ConfigError(
         f"--load {path}: refusing to load {file}{where}: it holds {what}, and unpickling it "
-        "could run code. Checkpoints may hold only tensors and plain values (numbers, strings, "
-        f"lists, dicts); this one was {origin}")
+        "could run code. Checkpoints may hold only tensors, plain values (numbers, strings, "
+        "lists, dicts) and the types Megatron-LM writes (its argparse.Namespace of args, numpy "
+        "RNG states, megatron-core's enums); this one was not written by megatron_ulysses or "
+        "Megatron-LM, or was tampered with")
 
 
 def _corrupt(path: str, file: str, error, where: str = "") -> ConfigError:
