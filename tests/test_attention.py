@@ -2,8 +2,12 @@
 
 Each P runs in one set of gloo workers; every rank builds the same full q, k, v, takes its
 sequence shard, and compares its output shard and its q/k/v gradient shards with attention
-computed on the whole sequence.
+computed on the whole sequence. Head counts include uneven ones (H % P != 0, also with H/P < P,
+and GQA whose kv heads split over several ranks), against DeepSpeed's uneven path too where it
+applies (G >= P).
 """
+
+import types
 
 import torch
 import torch.distributed as dist
@@ -13,6 +17,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_ulysses import all_to_all
 from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.attention import UlyssesAttention
+from megatron_ulysses.head_layout import HeadLayout
 from megatron_ulysses import cpu_compat
 
 from distributed import spawn
@@ -70,7 +75,8 @@ def _ulysses_cases(rank, world_size):
     try:
         r = ps.get_ulysses_sp_rank()
         assert r == rank
-        shapes = [(8, 8), (8, 4), (8, 2), (8, 1)]  # MHA, G >= P, G < P (replicated)
+        # MHA, G >= P, G < P (replicated); uneven: MHA, GQA with kv heads on several ranks.
+        shapes = [(8, 8), (8, 4), (8, 2), (8, 1), (7, 7), (14, 2)]
         for seed, (heads, groups) in enumerate(shapes):
             for backend in ("sdpa", "local"):
                 attn = UlyssesAttention(_config(heads, groups), layer_number=1, backend=backend)
@@ -91,16 +97,19 @@ def _ulysses_cases(rank, world_size):
 
 def _check_strided_output(p):
     """Backends may return strided views (SDPA's permuted output); the exchange takes them."""
-    dense = torch.randn(S, B, 8 // p, D)
+    layout, r = HeadLayout(7, 7, p), ps.get_ulysses_sp_rank()
+    dense = torch.randn(S, B, len(layout.query_heads(r)), D)
     strided = dense.transpose(0, 1).contiguous().transpose(0, 1)  # same values, [b, s] storage
-    assert not strided.is_contiguous()
+    assert not strided.is_contiguous() or dense.shape[2] == 1
     group = ps.get_ulysses_sp_group()
-    torch.testing.assert_close(all_to_all.output_to_sequence_sharded(strided, group),
-                               all_to_all.output_to_sequence_sharded(dense, group), rtol=0, atol=0)
+    torch.testing.assert_close(all_to_all.output_to_sequence_sharded(strided, layout, r, group),
+                               all_to_all.output_to_sequence_sharded(dense, layout, r, group),
+                               rtol=0, atol=0)
 
 
 def _check_collective_count(p):
-    """Two all-to-alls per forward (fused q/k/v in, output out), two per backward."""
+    """Two all-to-alls per forward (fused q/k/v in, output out), two per backward, with even
+    heads (equal splits) and uneven ones (split sizes)."""
     calls = []
     original = all_to_all.dist.all_to_all_single
 
@@ -110,43 +119,56 @@ def _check_collective_count(p):
 
     all_to_all.dist.all_to_all_single = counting
     try:
-        attn = UlyssesAttention(_config(8, 2), layer_number=1, backend="sdpa")
-        q, k, v, grad_out = _inputs(8, 2, 0)
-        local = [t[: S // p].clone().requires_grad_() for t in (q, k, v)]
-        out = attn(*local, None)
-        assert len(calls) == 2, calls
-        kv = max(2, p)
-        assert calls == [(S // p) * B * D * (8 + 2 * kv), (S // p) * B * D * 8]
-        out.backward(grad_out[: S // p].reshape(S // p, B, -1))
-        assert len(calls) == 4
+        for heads, groups in ((8, 2), (7, 7)):
+            calls.clear()
+            layout = HeadLayout(heads, groups, p)
+            attn = UlyssesAttention(_config(heads, groups), layer_number=1, backend="sdpa")
+            q, k, v, grad_out = _inputs(heads, groups, 0)
+            local = [t[: S // p].clone().requires_grad_() for t in (q, k, v)]
+            out = attn(*local, None)
+            assert len(calls) == 2, calls
+            kv_sent = sum(len(layout.kv_heads(j)) for j in range(p))  # max(G, P) when even
+            heads_r = len(layout.query_heads(ps.get_ulysses_sp_rank()))
+            assert calls == [(S // p) * B * D * (heads + 2 * kv_sent), S * B * D * heads_r]
+            out.backward(grad_out[: S // p].reshape(S // p, B, -1))
+            assert len(calls) == 4
     finally:
         all_to_all.dist.all_to_all_single = original
 
 
 def _check_against_deepspeed(p, r):
-    """Same output and grads as DeepSpeed's Ulysses `DistributedAttention` (even heads)."""
+    """Same output and grads as DeepSpeed's Ulysses `DistributedAttention`: even heads, and its
+    uneven path (whole kv groups per rank; it needs G >= P) where H or G does not divide by P,
+    including H/P < P (7 heads at P 4)."""
     import deepspeed
     from deepspeed.sequence.layer import DistributedAttention
+    from deepspeed.utils import groups as ds_groups
 
     deepspeed.init_distributed(dist_backend="gloo")
+    # DeepSpeed's uneven path asks its own registry for the SP rank.
+    ds_groups.mpu = types.SimpleNamespace(get_sequence_parallel_rank=ps.get_ulysses_sp_rank)
 
-    def local_attn(q, k, v, *args, **kwargs):  # [s, b, H/P, d] after DeepSpeed's exchange
+    def local_attn(q, k, v, *args, **kwargs):  # [s, b, H_r, d] after DeepSpeed's exchange
         return reference_attention(q, k, v)
 
     ds_attention = DistributedAttention(local_attn, ps.get_ulysses_sp_group(), scatter_idx=2,
                                         gather_idx=0)
-    for seed, (heads, groups) in enumerate([(8, 8), (8, 4)]):
-        ours = UlyssesAttention(_config(heads, groups), layer_number=1, backend="local")
-        q, k, v, grad_out = _inputs(heads, groups, 100 + seed)
-        sl = slice(r * S // p, (r + 1) * S // p)
-        results = []
-        for fn in (lambda *t: ours(*t, None), lambda *t: ds_attention(*t, 1)):  # batch dim 1
-            local = [t[sl].clone().requires_grad_() for t in (q, k, v)]
-            out = fn(*local).reshape(S // p, B, heads * D)
-            out.backward(grad_out[sl].reshape(S // p, B, -1))
-            results.append([out] + [t.grad for t in local])
-        for got, ref in zip(*results):
-            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    shapes = [(8, 8), (8, 4), (7, 7), (12, 6)]
+    try:
+        for seed, (heads, groups) in enumerate(shapes):
+            ours = UlyssesAttention(_config(heads, groups), layer_number=1, backend="local")
+            q, k, v, grad_out = _inputs(heads, groups, 100 + seed)
+            sl = slice(r * S // p, (r + 1) * S // p)
+            results = []
+            for fn in (lambda *t: ours(*t, None), lambda *t: ds_attention(*t, 1)):  # batch dim 1
+                local = [t[sl].clone().requires_grad_() for t in (q, k, v)]
+                out = fn(*local).reshape(S // p, B, heads * D)
+                out.backward(grad_out[sl].reshape(S // p, B, -1))
+                results.append([out] + [t.grad for t in local])
+            for got, ref in zip(*results):
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    finally:
+        ds_groups.mpu = None
     dist.barrier()
 
 
