@@ -20,21 +20,10 @@ from megatron_ulysses.attention import UlyssesAttention
 from megatron_ulysses.head_layout import HeadLayout
 from megatron_ulysses import cpu_compat
 
+from attention_reference import reference_attention
 from distributed import spawn
 
 S, B, D = 16, 2, 8
-
-
-def reference_attention(q, k, v, doc_ids=None):
-    """Plain causal attention on the whole sequence: q `[s, b, H, d]`, k, v `[s, b, G, d]`."""
-    rep = q.shape[2] // k.shape[2]
-    k, v = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
-    scores = torch.einsum("sbhd,tbhd->bhst", q, k) / q.shape[-1] ** 0.5
-    allowed = torch.ones(q.shape[0], q.shape[0], dtype=torch.bool).tril()[None, None]
-    if doc_ids is not None:  # [b, s]
-        allowed = allowed & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
-    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-    return torch.einsum("bhst,tbhd->sbhd", probs, v)
 
 
 def _inputs(heads, groups, seed):
