@@ -23,7 +23,7 @@ from megatron_ulysses import cpu_compat
 from attention_reference import reference_attention
 from distributed import spawn
 
-S, B, D = 16, 2, 8
+S, B, D = 24, 2, 8  # S divides by P = 2, 3 and 4
 
 
 def _inputs(heads, groups, seed):
@@ -41,9 +41,9 @@ def _config(heads, groups):
 def _check_against_reference(attention_fn, heads, groups, p, r, seed, packed=False):
     q, k, v, grad_out = _inputs(heads, groups, seed)
     doc_ids = cu_seqlens = None
-    if packed:  # documents of lengths 5, 7, 4 in sample 0 and 9, 7 in sample 1
-        cu_seqlens = torch.tensor([0, 5, 12, 16, 25, 32], dtype=torch.int32)
-        doc_ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 4 + [3] * 9 + [4] * 7).view(B, S)
+    if packed:  # documents of lengths 5, 7, 12 in sample 0 and 9, 15 in sample 1
+        cu_seqlens = torch.tensor([0, 5, 12, 24, 33, 48], dtype=torch.int32)
+        doc_ids = torch.tensor([0] * 5 + [1] * 7 + [2] * 12 + [3] * 9 + [4] * 15).view(B, S)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     expected = reference_attention(*full, doc_ids)
     expected.backward(grad_out)
@@ -74,7 +74,7 @@ def _ulysses_cases(rank, world_size):
                         q, k, v, None,
                         packed_seq_params=None if cu is None else PackedSeqParams(
                             qkv_format="sbhd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                            max_seqlen_q=9, max_seqlen_kv=9),
+                            max_seqlen_q=15, max_seqlen_kv=15),
                     )
                     _check_against_reference(fn, heads, groups, world_size, r, seed, packed)
         _check_strided_output(world_size)
@@ -142,7 +142,7 @@ def _check_against_deepspeed(p, r):
 
     ds_attention = DistributedAttention(local_attn, ps.get_ulysses_sp_group(), scatter_idx=2,
                                         gather_idx=0)
-    shapes = [(8, 8), (8, 4), (7, 7), (12, 6)]
+    shapes = [(8, 8), (8, 4), (7, 7), (12, 6), (32, 8)]
     try:
         for seed, (heads, groups) in enumerate(shapes):
             ours = UlyssesAttention(_config(heads, groups), layer_number=1, backend="local")
@@ -163,6 +163,10 @@ def _check_against_deepspeed(p, r):
 
 def test_ulysses_attention_sp2():
     spawn(_ulysses_cases, 2)
+
+
+def test_ulysses_attention_sp3():  # every shape uneven but 12/6 (and DeepSpeed's 32/8 at P 3)
+    spawn(_ulysses_cases, 3)
 
 
 def test_ulysses_attention_sp4():
