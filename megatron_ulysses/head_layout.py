@@ -76,5 +76,7 @@ def expand_kv(kv: torch.Tensor, layout: HeadLayout, rank: int) -> torch.Tensor:
     repeats = layout.kv_repeats(rank)
     if all(n == 1 for n in repeats):
         return kv
-    index = torch.tensor([j for j, n in enumerate(repeats) for _ in range(n)], device=kv.device)
-    return kv.index_select(2, index)
+    # Slices and expands, no index tensor: building one per call would copy it to the GPU and
+    # synchronize the stream every layer.
+    return torch.cat([kv[:, :, j:j + 1].expand(-1, -1, n, -1) for j, n in enumerate(repeats)],
+                     dim=2)
