@@ -361,8 +361,8 @@ def test_gpt_model_matches_unsharded_model():
     spawn(_model_cases, WORLD)
 
 
-# Uneven heads (H % P != 0): RoPE, both backends, against SP = 1; one DP sample. Packed documents
-# where a case's spawn is cheapest to extend.
+# Uneven heads (H % P != 0): RoPE, both backends, against SP = 1; one DP sample; plain and packed
+# documents (SP 1 on packed documents equals each document alone: checked above).
 def _uneven_cases_8(rank, world_size):
     """28 heads / 4 kv heads (Qwen2-7B's ratio) at SP 8 (3 or 4 heads per rank, kv heads split
     over up to 3 ranks) and at TP 2 x SP 4 (14 heads per TP rank: 4, 4, 3, 3)."""
@@ -370,7 +370,7 @@ def _uneven_cases_8(rank, world_size):
     shape = Heads(28, 4, 4)
     _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 8), (2, 4)], shape=shape)
     _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 8)], PACKED,
-              per_document=True, shape=shape)
+              shape=shape)
 
 
 def _uneven_cases_4(rank, world_size):
@@ -379,7 +379,7 @@ def _uneven_cases_4(rank, world_size):
     cpu_compat.install()
     _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 4)], shape=Heads(14, 2, 4))
     _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 4)], PACKED,
-              per_document=True, shape=Heads(7, 7, 4))
+              shape=Heads(7, 7, 4))
 
 
 def _uneven_cases_3(rank, world_size):
@@ -389,7 +389,7 @@ def _uneven_cases_3(rank, world_size):
     shape = Heads(32, 8, 2)
     _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 3)], shape=shape)
     _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 3)], PACKED,
-              per_document=True, shape=shape)
+              shape=shape)
 
 
 def test_uneven_heads_sp8_and_tp2_sp4():
