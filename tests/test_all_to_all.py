@@ -74,7 +74,7 @@ def test_head_layout(heads, groups, p):
 @pytest.mark.parametrize("heads,groups,p", SHAPES)
 def test_qkv_exchange_gives_every_rank_all_tokens_of_its_heads(heads, groups, p):
     layout = HeadLayout(heads, groups, p)
-    q, k, v = torch.randn(S, B, heads, D), torch.randn(S, B, groups, D), torch.randn(S, B, groups, D)
+    q, k, v = (torch.randn(S, B, n, D) for n in (heads, groups, groups))
     for r, (qr, kr, vr) in enumerate(_exchange_qkv(q, k, v, layout)):
         heads_r, kv_r = layout.query_heads(r), layout.kv_heads(r)
         assert qr.shape == (S, B, len(heads_r), D) and kr.shape == vr.shape == (S, B, len(kv_r), D)
@@ -171,9 +171,11 @@ def test_sp_groups_are_the_closest_ranks_after_tp():
          "--ulysses-sp-size that works is 2 (at most 3 heads per tensor-parallel rank, and a "
          "divisor of world size 8 / (--tensor-model-parallel-size 2 x "
          "--pipeline-model-parallel-size 1) = 4), or lower --tensor-model-parallel-size"),
-        (dict(world_size=16, sp=16), (12, 4, None), "the largest --ulysses-sp-size that works is 8"),
+        (dict(world_size=16, sp=16), (12, 4, None),
+         "the largest --ulysses-sp-size that works is 8"),
         (dict(world_size=12, sp=12), (7, 7, None), "the largest --ulysses-sp-size that works is 6"),
-        (dict(world_size=8, tp=2, sp=2), (7, 7, None), "--num-attention-heads (7) must be divisible by --tensor-model-parallel-size (2)"),
+        (dict(world_size=8, tp=2, sp=2), (7, 7, None),
+         "--num-attention-heads (7) must be divisible by --tensor-model-parallel-size (2)"),
         (dict(world_size=8, tp=2, sp=2), (12, 3, None), "--num-query-groups (3) must be divisible by --tensor-model-parallel-size (2)"),
         (dict(world_size=8, sp=4), (8, 8, 1022), "--seq-length (1022) must be divisible by --ulysses-sp-size"),
         (dict(world_size=4, sp=2), (8, 3, None), "--num-attention-heads (8) must be divisible by --num-query-groups (3)"),

@@ -1,7 +1,7 @@
 """The whole-model benchmarks end to end on CPU at the tiny preset and one short sequence:
 bench/mfu.py (stock megatron-core and ours side by side, two micro batches per optimizer step)
-and bench/profile_step.py (the time breakdown of one step of ours); and bench/attention_overhead.py's
-uneven-heads mode (each SP rank's attention time for its own head count)."""
+and bench/profile_step.py (the time breakdown of one step of ours); and the uneven-heads mode of
+bench/attention_overhead.py (each SP rank's attention time for its own head count)."""
 
 import json
 import math
