@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 
 from distributed import spawn
 
+from megatron_ulysses.errors import ConfigError
+
 SAVED_AT, CONSUMED = 3, 12
 BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -542,3 +544,39 @@ def test_cli_reports_load_errors_as_one_message(tmp_path):
         f"pretrain_gpt.py: error: --load {evil}/iter_0000002: refusing to load {offending}: it "
         "holds a pickled posix.system")
     assert not marker.exists()
+
+
+def _extra_state(state) -> dict:
+    """A layer's `_extra_state` as Transformer Engine writes it: pickle.dumps of its FP8 state."""
+    return {"layer._extra_state": torch.frombuffer(bytearray(pickle.dumps(state)),
+                                                   dtype=torch.uint8)}
+
+
+def test_te_fp8_extra_state_is_admitted_and_a_payload_in_its_tensors_is_not(tmp_path):
+    """TE's FP8 extra state holds CPU tensors (pickled through torch.storage._load_from_bytes,
+    whose bytes torch.load reads with its full unpickler) and its recipe: the tensors pass, and
+    a payload hidden in those storage bytes is refused, never run."""
+    from megatron_ulysses.training.trust import check_extra_states
+
+    fp8_state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
+                 "extra_fp8_variables": {"num_gemms": 3, "fp8_checkpoint": True}}
+    check_extra_states("ckpt", _extra_state(fp8_state))
+
+    marker = tmp_path / "ran"
+    for legacy in (False, True):  # the storage's own format, and the zip format
+        inner = io.BytesIO()
+        torch.save({"evil": Payload(marker)}, inner, _use_new_zipfile_serialization=not legacy)
+        smuggled = _extra_state({"scale_fwd": _FromBytes(inner.getvalue())})
+        with pytest.raises(ConfigError, match="_extra_state"):
+            check_extra_states("ckpt", smuggled)
+    assert not marker.exists()
+
+
+class _FromBytes:
+    """Pickles as `torch.storage._load_from_bytes(data)`, as a CPU storage does."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (self.data,)
