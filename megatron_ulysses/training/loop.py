@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from .. import cpu_compat
 from .. import parallel_state as ps
+from ..processes import guard_rank
 from .. import rng
 from ..data.batches import Batches
 from ..data.datasets import build_train_valid_test_datasets, check_data_path
@@ -22,6 +23,7 @@ from .arguments import ConfigError, padded_vocab_size
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .logging import TrainingLogger, print_rank_0
+from .save_guard import lock_save_dir
 from .model import build_model, build_model_and_optimizer, transformer_config
 from .schedule import NonFiniteError, evaluate, train_step
 
@@ -134,6 +136,9 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
+    guard_rank()  # its helper processes die with it, it with torchrun
+    if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        lock_save_dir(config.checkpoint.save)  # one live job per --save
     tokenizer = _check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(padded_vocab_size(
