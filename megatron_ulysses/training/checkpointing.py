@@ -508,8 +508,16 @@ def _save_strategy(fully_parallel: bool):
     return FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group())
 
 
-def _checkpoint_bytes(state) -> int:
-    """The bytes of the checkpoint's tensors (each once, whole), for an out-of-space message."""
+def _checkpoint_bytes(root: str, state) -> int:
+    """About what a save of `state` writes, for an out-of-space message: the last checkpoint's
+    files in `root`, else the tensors' bytes (each once, whole; files add headers)."""
+    try:
+        last = read_tracker(root)
+        if last is not None:
+            path = checkpoint_dir(root, last)
+            return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    except (OSError, ConfigError):
+        pass
     shapes = {t.key: (t.global_shape, t.data.element_size()) for t in nested_values(state)
               if isinstance(t, ShardedTensor)}
     return sum(math.prod(shape) * size for shape, size in shapes.values())
@@ -534,7 +542,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 rng_states=rng_states, common=common)
     final = checkpoint_dir(root, iteration)
-    with save_guard.staged_save(root, iteration, final, _checkpoint_bytes(state)) as staging:
+    needed = lambda: _checkpoint_bytes(root, state)  # noqa: E731 (only asked after a failure)
+    with save_guard.staged_save(root, iteration, final, needed) as staging:
         # Helpers (megatron-core's Manager, its writers) keep SIGTERM blocked: see processes.
         with processes.helpers_keep_sigterm_blocked(), _quiet_torch_checkpoint():
             dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(
@@ -542,10 +551,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
         dist.barrier()
         _fsync_tree(staging, rank)
         save_guard.seal(staging, rank)  # the files' record, checked before the rename
-        dist.barrier()
-        if rank == 0:
-            _commit(root, iteration, staging)
-        dist.barrier()
+        save_guard.on_rank_0(_commit, root, iteration, staging)
     print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final}")
     if config.training.exit_signal_handler:
         late = processes.save_beyond_grace(time.time() - start)
@@ -614,7 +620,8 @@ def read_common_state(root: str):
     path = _checkpoint_path(root, iteration)
     save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
     check_checkpoint_files(path)  # before megatron-core unpickles anything
-    common = dist_checkpointing.load_common_state_dict(path)
+    with save_guard.read_errors_named(path):
+        common = dist_checkpointing.load_common_state_dict(path)
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         version = common.get("format_version") if isinstance(common, dict) else None
         raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
@@ -698,7 +705,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
             rng_states = None
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
-    with _quiet_torch_checkpoint():
+    with _quiet_torch_checkpoint(), save_guard.read_errors_named(path):
         # megatron-core's "unexpected": asked for, not in the checkpoint
         loaded, _, missing = dist_checkpointing.load(state, path,
                                                      strict=StrictHandling.RETURN_ALL)

@@ -110,11 +110,32 @@ def _make_staging(final: str) -> str:
     return staging
 
 
+class _FailedOnRank0(Exception):
+    """A rank-0 step of the save failed; rank 0 raises the error itself."""
+
+
+def on_rank_0(step, *args):
+    """Every rank: `step(*args)` runs on rank 0 and every rank returns its result, or every rank
+    raises when it failed with an OSError (rank 0 that error), so no rank is left waiting in a
+    collective for a rank 0 that is gone."""
+    outcome = [None, False]
+    failure = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = [step(*args), False]
+        except OSError as error:
+            failure, outcome = error, [None, True]
+    dist.broadcast_object_list(outcome, src=0)
+    if failure is not None:
+        raise failure
+    if outcome[1]:
+        raise _FailedOnRank0()
+    return outcome[0]
+
+
 def staging_dir(final: str) -> str:
     """Every rank: the staging directory of this save (rank 0 makes it)."""
-    name = [_make_staging(final) if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
+    return on_rank_0(_make_staging, final)
 
 
 # --- the integrity record -----------------------------------------------------------------------
@@ -153,8 +174,10 @@ def seal(staging: str, rank: int) -> None:
             if owns(os.path.basename(name), rank)}
     parts = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object(mine, parts, dst=0)
-    if rank != 0:
-        return
+    on_rank_0(lambda: _write_record(staging, parts))
+
+
+def _write_record(staging: str, parts) -> None:
     files = {name: entry for part in parts for name, entry in part.items()}
     present = set(_files(staging))
     if present != set(files):
@@ -175,7 +198,7 @@ def seal(staging: str, rank: int) -> None:
 
 
 def _damaged(path: str, name: str, what: str) -> ConfigError:
-    return ConfigError(f"--load {path}: {os.path.join(path, name)} {what}. The checkpoint is "
+    return ConfigError(f"--load {path}: {name} {what}. The checkpoint is "
                        f"damaged (its save recorded every file's size and CRC-32 in {RECORD}); "
                        "--load a copy or another checkpoint")
 
@@ -250,26 +273,53 @@ def verify_shards(path: str) -> None:
         raise ConfigError(found[0])
 
 
+@contextlib.contextmanager
+def read_errors_named(path: str):
+    """Around megatron-core's reads of checkpoint `path`: where it has no record (saved before
+    records were written), an error reading it is one `ConfigError` naming --load. (With a
+    record the files are those its save wrote, so an error there is no damage: it propagates.)"""
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, ConfigError) or os.path.isfile(os.path.join(path, RECORD)) or not (
+                isinstance(error, Exception) or type(error).__name__ == "CheckpointException"):
+            raise
+        cause = str(error).strip().splitlines()[-1][:300] if str(error).strip() else ""
+        raise ConfigError(f"--load {path}: reading the checkpoint failed ({type(error).__name__}:"
+                          f" {cause}). It has no {RECORD} (saved before megatron_ulysses "
+                          "recorded its files), so the damaged file cannot be named: compare "
+                          "its files with a good copy, or --load another checkpoint") from None
+
+
 # --- I/O errors during a save -------------------------------------------------------------------
 
-def _os_error(error: BaseException):
-    """(the OSError behind `error`, whether this rank saw it): an OSError in the exception
-    chain, or in the failures of a torch.distributed.checkpoint CheckpointException (megatron-core
-    raises that on every rank, with the details on its coordinator only)."""
+def _failure(error: BaseException):
+    """What failed in a save, as (text, whether this rank saw it), or None when `error` is no
+    save failure: an OSError in the exception chain, or torch.distributed.checkpoint's
+    CheckpointException, which megatron-core raises on every rank with the ranks' errors
+    (pickled, so their text only) on its coordinator alone."""
     seen = set()
     while error is not None and id(error) not in seen:
         seen.add(id(error))
+        if isinstance(error, _FailedOnRank0):
+            return None, False
         if isinstance(error, OSError):
-            return error, True
+            return str(error), True
         failures = getattr(error, "failures", None)
         if type(error).__name__ == "CheckpointException" and isinstance(failures, dict):
-            for failure in failures.values():
-                found = _os_error(failure[0] if isinstance(failure, tuple) else failure)
-                if found is not None:
-                    return found
-            return (None, False) if not failures else None
+            if not failures:
+                return None, False
+            return "; ".join(f"{_innermost(failure)} (rank {rank})"
+                             for rank, failure in sorted(failures.items())), True
         error = error.__cause__ or error.__context__
     return None
+
+
+def _innermost(failure) -> str:
+    """A CheckpointException failure's text, without megatron-core's writer wrapper."""
+    error = failure[0] if isinstance(failure, tuple) else failure
+    text = str(error).removeprefix("Worker failure: ")
+    return text if text.startswith("[Errno") else f"{type(error).__name__}: {text}"
 
 
 def _size(num: float) -> str:
@@ -280,16 +330,17 @@ def _size(num: float) -> str:
 
 
 @contextlib.contextmanager
-def staged_save(root: str, iteration: int, final: str, needed_bytes: int):
+def staged_save(root: str, iteration: int, final: str, needed_bytes):
     """Every rank: yields this save's staging directory for `final` (`staging_dir`). An I/O
     error inside, on any rank, becomes one `SaveError` naming --save; rank 0 first removes the
-    staging directory, so the free space it reports is what the next save has."""
+    staging directory, so the free space it reports is what the next save has. `needed_bytes()`:
+    about what the save writes."""
     staging = None
     try:
         staging = staging_dir(final)
         yield staging
     except BaseException as error:
-        found = _os_error(error)
+        found = _failure(error)
         if found is None:
             raise
         if staging is not None and dist.get_rank() == 0:
@@ -304,7 +355,7 @@ def staged_save(root: str, iteration: int, final: str, needed_bytes: int):
             free = "unknown"
         raise SaveError(
             f"--save {root}: saving iteration {iteration} failed: {cause}. The checkpoint needs "
-            f"about {_size(needed_bytes)}; {free} free there. The checkpoints already in --save "
+            f"about {_size(needed_bytes())}; {free} free there. The checkpoints already in --save "
             "are untouched (latest_checkpointed_iteration.txt names the last complete one): "
             "free space or fix the permissions, or give another --save, and resume with --load"
         ) from None
