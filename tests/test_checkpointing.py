@@ -419,7 +419,7 @@ def _fsync_order_case(rank, world, root):
 
     build = _build(world)
     final = os.path.join(root, "iter_0000003")
-    staging, old = final + ".tmp", final + ".old"
+    old = final + ".old"
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     with mock.patch.object(os, "fsync", logged_fsync), \
             mock.patch.object(os, "replace", logged_replace):
@@ -427,7 +427,9 @@ def _fsync_order_case(rank, world, root):
             events.clear()
             _save(root, build)
             synced = [event[1] for event in events if event[0] == "fsync"]
-            move_in = events.index(("replace", staging, final))
+            move_in, staging = next((i, e[1]) for i, e in enumerate(events)
+                                    if e[0] == "replace" and e[2] == final)
+            assert staging.startswith(final + ".tmp.")  # job-unique
             synced_before = {event[1] for event in events[:move_in] if event[0] == "fsync"}
             for directory, _, files in os.walk(final):
                 staged = staging + directory[len(final):]
@@ -460,11 +462,11 @@ def _killed_resave(rank, world, root, weights_file):
     _save(root, build)
     torch.save(_weights(build[1]), weights_file)
     _shift_weights(build[1], 1.0)
-    staging = os.path.join(root, "iter_0000003.tmp")
+    staging = os.path.join(root, "iter_0000003.tmp.")
     replace = os.replace
 
     def dying_replace(src, dst, **kwargs):
-        if os.fspath(src) == staging:
+        if os.fspath(src).startswith(staging):
             raise Killed("killed between the renames")
         return replace(src, dst, **kwargs)
 

@@ -618,8 +618,8 @@ def read_common_state(root: str):
     if iteration is None:
         return None
     path = _checkpoint_path(root, iteration)
-    save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
     check_checkpoint_files(path)  # before megatron-core unpickles anything
+    save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
     with save_guard.read_errors_named(path):
         common = dist_checkpointing.load_common_state_dict(path)
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
