@@ -258,6 +258,17 @@ def _plant(kind: str, ckpt: str, marker) -> str:
 ATTACKS = ("common.pt", ".metadata", "rng ShardedObject", "layer _extra_state")
 
 
+def _forge_record(ckpt: str) -> None:
+    """What an attacker who rewrites files does to the integrity record too (a checksum, not a
+    signature): every file's size and CRC-32 as they are now."""
+    from megatron_ulysses.training import save_guard
+
+    files = {name: save_guard._describe(os.path.join(ckpt, name))
+             for name in save_guard._files(ckpt)}
+    with open(os.path.join(ckpt, save_guard.RECORD), "w") as f:
+        json.dump({"format": save_guard.RECORD_FORMAT, "algorithm": "crc32", "files": files}, f)
+
+
 def _load_each(rank, world, roots, report):
     from megatron_ulysses.training.arguments import ConfigError
 
@@ -286,6 +297,7 @@ def attacked(tmp_path_factory):
         shutil.copytree(base, root)
         marker = tmp / f"marker{number}"
         expected[kind] = (marker, _plant(kind, str(root / "iter_0000003"), marker))
+        _forge_record(str(root / "iter_0000003"))
         roots[kind] = str(root)
     spawn(_load_each, 1, roots, str(tmp / "report.json"))
     messages = json.loads((tmp / "report.json").read_text())
@@ -475,6 +487,9 @@ def _killed_resave(rank, world, root, weights_file):
 
 
 def _recover(rank, world, root, weights_file):
+    from megatron_ulysses.training.save_guard import lock_save_dir
+
+    lock_save_dir(root)  # as pretrain() does: the lock holder removes crashed saves' debris
     build = _build(world)
     (iteration, consumed), printed = _load(root, build)
     assert (iteration, consumed) == (SAVED_AT, CONSUMED)
@@ -484,7 +499,8 @@ def _recover(rank, world, root, weights_file):
     _shift_weights(build[1], 2.0)
     newer = _weights(build[1])
     _save(root, build)  # the same iteration again: cleans up the debris
-    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [".lock", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
     _shift_weights(build[1], 1.0)
     _load(root, build)
     _assert_weights(build[1], newer)
