@@ -260,6 +260,17 @@ def _plant(kind: str, ckpt: str, marker) -> str:
 ATTACKS = ("common.pt", ".metadata", "rng ShardedObject", "layer _extra_state")
 
 
+def _forge_record(ckpt: str) -> None:
+    """What an attacker who rewrites files does to the integrity record too (a checksum, not a
+    signature): every file's size and CRC-32 as they are now."""
+    from megatron_ulysses.training import save_guard
+
+    files = {name: save_guard._describe(os.path.join(ckpt, name))
+             for name in save_guard._files(ckpt)}
+    with open(os.path.join(ckpt, save_guard.RECORD), "w") as f:
+        json.dump({"format": save_guard.RECORD_FORMAT, "algorithm": "crc32", "files": files}, f)
+
+
 def _load_each(rank, world, roots, report):
     from megatron_ulysses.training.arguments import ConfigError
 
@@ -288,6 +299,7 @@ def attacked(tmp_path_factory):
         shutil.copytree(base, root)
         marker = tmp / f"marker{number}"
         expected[kind] = (marker, _plant(kind, str(root / "iter_0000003"), marker))
+        _forge_record(str(root / "iter_0000003"))
         roots[kind] = str(root)
     spawn(_load_each, 1, roots, str(tmp / "report.json"))
     messages = json.loads((tmp / "report.json").read_text())
@@ -421,7 +433,7 @@ def _fsync_order_case(rank, world, root):
 
     build = _build(world)
     final = os.path.join(root, "iter_0000003")
-    staging, old = final + ".tmp", final + ".old"
+    old = final + ".old"
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     with mock.patch.object(os, "fsync", logged_fsync), \
             mock.patch.object(os, "replace", logged_replace):
@@ -429,7 +441,9 @@ def _fsync_order_case(rank, world, root):
             events.clear()
             _save(root, build)
             synced = [event[1] for event in events if event[0] == "fsync"]
-            move_in = events.index(("replace", staging, final))
+            move_in, staging = next((i, e[1]) for i, e in enumerate(events)
+                                    if e[0] == "replace" and e[2] == final)
+            assert staging.startswith(final + ".tmp.")  # job-unique
             synced_before = {event[1] for event in events[:move_in] if event[0] == "fsync"}
             for directory, _, files in os.walk(final):
                 staged = staging + directory[len(final):]
@@ -462,11 +476,11 @@ def _killed_resave(rank, world, root, weights_file):
     _save(root, build)
     torch.save(_weights(build[1]), weights_file)
     _shift_weights(build[1], 1.0)
-    staging = os.path.join(root, "iter_0000003.tmp")
+    staging = os.path.join(root, "iter_0000003.tmp.")
     replace = os.replace
 
     def dying_replace(src, dst, **kwargs):
-        if os.fspath(src) == staging:
+        if os.fspath(src).startswith(staging):
             raise Killed("killed between the renames")
         return replace(src, dst, **kwargs)
 
@@ -475,6 +489,9 @@ def _killed_resave(rank, world, root, weights_file):
 
 
 def _recover(rank, world, root, weights_file):
+    from megatron_ulysses.training.save_guard import lock_save_dir
+
+    lock_save_dir(root)  # as pretrain() does: the lock holder removes crashed saves' debris
     build = _build(world)
     (iteration, consumed), printed = _load(root, build)
     assert (iteration, consumed) == (SAVED_AT, CONSUMED)
@@ -484,7 +501,8 @@ def _recover(rank, world, root, weights_file):
     _shift_weights(build[1], 2.0)
     newer = _weights(build[1])
     _save(root, build)  # the same iteration again: cleans up the debris
-    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [".lock", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
     _shift_weights(build[1], 1.0)
     _load(root, build)
     _assert_weights(build[1], newer)

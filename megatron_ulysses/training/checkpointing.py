@@ -3,10 +3,12 @@ every rank's RNG states, iteration, consumed samples and the model arguments.
 
 Layout (Megatron-LM's): `<save>/iter_0000100/` and `<save>/latest_checkpointed_iteration.txt`.
 
-Durability. A save goes to `iter_0000100.tmp/`; when every rank has written, each rank fsyncs the
-shard files it wrote (`__<rank>_*.distcp`) and rank 0 the other files and the directories; then
-rank 0 renames an existing `iter_0000100/` aside (`.old`), renames the new one in, fsyncs `<save>`,
-replaces the tracker (write, fsync, rename, fsync) and only then deletes the old directory. A
+Durability. A save goes to a job-unique `iter_0000100.tmp.<pid>-<random>/` (`save_guard`); when
+every rank has written, each rank fsyncs the shard files it wrote (`__<rank>_*.distcp`) and rank 0
+the other files and the directories, the ranks record every file's size and CRC-32
+(`integrity.json`, checked before a load: `save_guard`); then rank 0 renames an existing
+`iter_0000100/` aside (`.old`), renames the new one in, fsyncs `<save>`, replaces the tracker
+(write, fsync, rename, fsync) and only then deletes the old directory. A
 crash at any point leaves the tracker pointing at a complete checkpoint: in the one window where
 `iter_0000100/` is missing (between the two renames) the loader takes `iter_0000100.old/`.
 
@@ -31,11 +33,13 @@ import contextlib
 import dataclasses
 import errno
 import json
+import math
 import os
 import pickle
 import random
 import re
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -45,6 +49,7 @@ from megatron.core import __version__ as megatron_core_version
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -54,8 +59,9 @@ from megatron.core.dist_checkpointing.validation import StrictHandling
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
+from .. import processes
 from ..errors import ConfigError, flag_name
-from . import megatron_lm_checkpoint
+from . import megatron_lm_checkpoint, save_guard
 from .logging import print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
 
@@ -85,7 +91,6 @@ _SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
     "vocab_size")
-_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -193,8 +198,7 @@ def _fsync_tree(staging: str, rank: int) -> None:
     for directory, _, files in os.walk(staging):
         directories.append(directory)
         for name in files:
-            match = _SHARD_FILE.fullmatch(name)
-            if (int(match.group(1)) == rank) if match else rank == 0:
+            if save_guard.owns(name, rank):
                 _fsync(os.path.join(directory, name))
     if rank == 0:
         for directory in reversed(directories):
@@ -275,18 +279,29 @@ def _save_strategy(fully_parallel: bool):
     return FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group())
 
 
+def _checkpoint_bytes(root: str, state) -> int:
+    """About what a save of `state` writes, for an out-of-space message: the last checkpoint's
+    files in `root`, else the tensors' bytes (each once, whole; files add headers)."""
+    try:
+        last = read_tracker(root)
+        if last is not None:
+            path = checkpoint_dir(root, last)
+            return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    except (OSError, ConfigError):
+        pass
+    shapes = {t.key: (t.global_shape, t.data.element_size()) for t in nested_values(state)
+              if isinstance(t, ShardedTensor)}
+    return sum(math.prod(shape) * size for shape, size in shapes.values())
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
                     consumed_samples: int, extra_common: dict = None) -> None:
     """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it.
     `config`: the `RunConfig` (the shape and optimizer values a load checks); `extra_common`:
-    more plain values for the common state (tools/convert_hf.py's "hf_config")."""
-    staging = checkpoint_dir(root, iteration) + ".tmp"
+    more plain values for the common state (tools/convert_hf.py's "hf_config"). An I/O error is
+    one `save_guard.SaveError`, the committed checkpoints untouched."""
+    start = time.time()
     rank = dist.get_rank()
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
-        os.makedirs(staging)
-    dist.barrier()
     rng_states = _rng_tensors()
     common = _plain({
         "format_version": FORMAT_VERSION, "iteration": iteration,
@@ -297,17 +312,22 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     }, "common state")
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 rng_states=rng_states, common=common)
-    with _quiet_torch_checkpoint():
-        dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(
-            config.checkpoint.ckpt_fully_parallel_save))
-    dist.barrier()
-    _fsync_tree(staging, rank)
-    dist.barrier()
-    if rank == 0:
-        _commit(root, iteration, staging)
-    dist.barrier()
-    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "
-                 f"{checkpoint_dir(root, iteration)}")
+    final = checkpoint_dir(root, iteration)
+    needed = lambda: _checkpoint_bytes(root, state)  # noqa: E731 (only asked after a failure)
+    with save_guard.staged_save(root, iteration, final, needed) as staging:
+        # Helpers (megatron-core's Manager, its writers) keep SIGTERM blocked: see processes.
+        with processes.helpers_keep_sigterm_blocked(), _quiet_torch_checkpoint():
+            dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(
+                config.checkpoint.ckpt_fully_parallel_save))
+        dist.barrier()
+        _fsync_tree(staging, rank)
+        save_guard.seal(staging, rank)  # the files' record, checked before the rename
+        save_guard.on_rank_0(_commit, root, iteration, staging)
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final}")
+    if config.training.exit_signal_handler:
+        late = processes.save_beyond_grace(time.time() - start)
+        if late:
+            print_rank_0(f" WARNING: {late}")
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -397,7 +417,9 @@ def read_common_state(root: str):
         return None
     path = _checkpoint_path(root, iteration)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
-    common = _load_common(path)
+    save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
+    with save_guard.read_errors_named(path):
+        common = _load_common(path)
     if megatron_lm_checkpoint.is_megatron_lm(common):
         return iteration, path, megatron_lm_checkpoint.common_state(
             path, common, _SAVED_ARGS, OPTIMIZER_METADATA)
@@ -501,6 +523,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
                      "training from scratch")
         return 0, 0
     iteration, path, common = found
+    save_guard.verify_shards(path)  # their CRC-32, before training on them
     model_only = optimizer is None or flags.finetune
     saved_args = _check_resume(path, iteration, common, config, model_only)
     with_optimizer = not (model_only or flags.no_load_optim)
@@ -514,7 +537,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
         rng_states = _rng_states_to_load(path, common, config.training.seed)
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
-    with _quiet_torch_checkpoint():
+    with _quiet_torch_checkpoint(), save_guard.read_errors_named(path):
         # megatron-core's "unexpected": asked for, not in the checkpoint
         loaded, _, missing = dist_checkpointing.load(state, path,
                                                      strict=StrictHandling.RETURN_ALL)

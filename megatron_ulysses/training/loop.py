@@ -11,6 +11,7 @@ import torch
 
 from .. import parallel_state as ps
 from .. import rng
+from ..processes import guard_rank
 from ..vocab import padded_vocab_size
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -18,6 +19,7 @@ from .exits import ExitRequest
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_model_and_optimizer, transformer_config
+from .save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
 
 
@@ -59,6 +61,9 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
+    guard_rank()  # its helper processes die with it, it with torchrun
+    if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        lock_save_dir(config.checkpoint.save)  # one live job per --save
     tokenizer = check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(padded_vocab_size(
