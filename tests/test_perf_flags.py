@@ -135,6 +135,8 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     (["--bf16", "--use-megatron-fsdp", "--fsdp-manual-registration"], 1,
      "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub"),
     (["--bf16", "--defer-embedding-wgrad-compute"], 1, "--pipeline-model-parallel-size > 1"),
+    (["--bf16", "--defer-embedding-wgrad-compute", "--pipeline-model-parallel-size", "2",
+      "--no-gradient-accumulation-fusion"], 2, "needs gradient-accumulation fusion"),
 ])
 def test_megatron_lms_rules_on_gpu(argv, world_size, match):
     with pytest.raises(ConfigError, match=match):

@@ -15,6 +15,7 @@ validated as Megatron-LM validates them, then refused in one message: they are n
 this package's model build. Every flag here needs CUDA: on CPU one message names those given.
 """
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -220,6 +221,12 @@ def validate(args, ctx: Context) -> None:
     require(not args.defer_embedding_wgrad_compute or args.tiled_loss_shards is None,
             "--defer-embedding-wgrad-compute defers the output layer's GEMM, which "
             "--tiled-loss-shards computes per tile: drop one")
+    # megatron-core's TransformerConfig refuses it without the fused wgrad accumulation
+    require(not args.defer_embedding_wgrad_compute or (
+        not args.no_gradient_accumulation_fusion
+        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+        "--defer-embedding-wgrad-compute needs gradient-accumulation fusion (apex's "
+        "fused_weight_gradient_mlp_cuda, without --no-gradient-accumulation-fusion)")
     _check_tp_comm_overlap(args, ctx)
     _check_fsdp(args)
     require(args.cuda_graph_impl == "none",
