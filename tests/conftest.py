@@ -1,6 +1,6 @@
-"""Session fixtures shared by the data, tool and CLI tests: a tiny sentencepiece model and a tiny
-GPT-2 byte-level BPE trained on the bundled corpus, and that corpus preprocessed into a
-megatron-core indexed dataset."""
+"""Session fixtures shared by the data, tool and CLI tests: a tiny sentencepiece model, a tiny
+GPT-2 byte-level BPE and a tiny HuggingFace tokenizer directory trained on the bundled corpus, and
+that corpus preprocessed into a megatron-core indexed dataset."""
 
 import json
 import sys
@@ -66,3 +66,23 @@ def corpus_prefix(tmp_path_factory, sp_model) -> str:
         "--append-eod", "--workers", "1",
     ]) == 0
     return prefix + "_text_document"
+
+
+@pytest.fixture(scope="session")
+def hf_dir(tmp_path_factory):
+    """A local HuggingFace tokenizer directory whose post-processor adds a BOS."""
+    pytest.importorskip("transformers")
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE(unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
+    backend.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    backend.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
+    path = tmp_path_factory.mktemp("hf") / "tokenizer"
+    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>", unk_token="<unk>").save_pretrained(str(path))
+    return str(path)

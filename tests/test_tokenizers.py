@@ -87,26 +87,6 @@ def test_unique_identifiers_tell_tokenizers_apart(sp_model):
     assert gpt.eod == gpt.eos != megatron_lm.eod
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    """A local HuggingFace tokenizer directory whose post-processor adds a BOS."""
-    pytest.importorskip("transformers")
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    texts = [json.loads(line)["text"] for line in CORPUS.read_text(encoding="utf-8").splitlines()]
-    backend.train_from_iterator(
-        texts, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
-    backend.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", backend.token_to_id("<s>"))])
-    path = tmp_path_factory.mktemp("hf") / "tokenizer"
-    PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>", unk_token="<unk>").save_pretrained(str(path))
-    return str(path)
-
-
 def test_huggingface_is_megatron_cores_without_added_special_tokens(hf_dir):
     from transformers import AutoTokenizer
 

@@ -18,7 +18,7 @@ from .config import RunConfig
 from .exits import ExitRequest
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, print_rank_0
-from .model import build_model, build_model_and_optimizer, transformer_config
+from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
 from .save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
 
@@ -38,7 +38,8 @@ def initialize_distributed(config: RunConfig) -> None:
         set_deterministic_mode()
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
-    ps.initialize_model_parallel(dims=config.dims)
+    instances = config.performance.num_distributed_optimizer_instances
+    ps.initialize_model_parallel(dims=config.dims, num_distributed_optimizer_instances=instances)
     rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
 
 
@@ -47,7 +48,8 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
     batches, one validation line at the checkpoint's iteration."""
     model_config, training = config.model, config.training
     model = build_model(model_config, config.optimizer, training.seed,
-                        transformer_config(model_config, config.dims))
+                        transformer_config(model_config, config.dims, config.performance),
+                        config.performance)
     iteration = 0
     if config.checkpoint.load:
         iteration, _ = load_checkpoint(config.checkpoint.load, model, None, None, config)
@@ -101,6 +103,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     logger = TrainingLogger(config, config.dims.world_size)
 
     def save():
+        gather_params(model, config.performance)
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
                             consumed, extra_common)

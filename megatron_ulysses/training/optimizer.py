@@ -4,6 +4,7 @@ allocate CUDA tensors, `CpuAdamW` with the same interface and math (AdamW over D
 no weight decay on biases and norms, global-norm clipping over TP x PP, the same sharded
 checkpoint layout)."""
 
+import dataclasses
 import math
 from itertools import chain
 
@@ -16,6 +17,8 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
+
+from .config.performance import PerformanceConfig, optimizer_kwargs
 
 
 def _param_groups(model):
@@ -106,9 +109,10 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(config, model_config, model):
+def build_optimizer(config, model_config, model, performance=PerformanceConfig()):
     """megatron-core's optimizer on GPU, `CpuAdamW` on CPU. `config`: an `OptimizerConfig`;
-    `model_config`: the `ModelConfig` (its precision)."""
+    `model_config`: the `ModelConfig` (its precision); `performance`: the speed features
+    (overlapped param gather, precision-aware optimizer, CPU offload; GPU only)."""
     if not torch.cuda.is_available():
         return CpuAdamW(model, config)
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
@@ -123,4 +127,5 @@ def build_optimizer(config, model_config, model):
         min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
         hysteresis=config.hysteresis, use_distributed_optimizer=config.use_distributed_optimizer,
     )
+    mcore_config = dataclasses.replace(mcore_config, **optimizer_kwargs(performance))
     return get_megatron_optimizer(mcore_config, [model])
