@@ -8,6 +8,7 @@ import os
 import time
 
 import torch
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from .. import parallel_state as ps
 from .. import rng
@@ -15,10 +16,12 @@ from ..vocab import padded_vocab_size
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
+from .batch_schedule import global_batch_size_at
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_model_and_optimizer, transformer_config
 from .schedule import NonFiniteError, evaluate, train_step
+from .step_hooks import StepHooks
 
 
 def set_deterministic_mode() -> None:
@@ -37,7 +40,10 @@ def initialize_distributed(config: RunConfig) -> None:
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
     ps.initialize_model_parallel(dims=config.dims)
-    rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
+    seed = config.training.seed
+    if config.training.data_parallel_random_init:  # Megatron-LM's seed + 10 x DP rank
+        seed += 10 * ps.get_pure_data_parallel_rank()
+    rng.seed_dropout_streams(seed)  # per SP rank and stage
 
 
 def evaluate_only(config: RunConfig, tokenizer) -> None:
@@ -94,6 +100,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     training, checkpoint = config.training, config.checkpoint
     local_seq = config.dims.local_seq_length(config.model.seq_length)
     logger = TrainingLogger(config, config.dims.world_size)
+    hooks = StepHooks(training, config.logging.tensorboard_dir)
 
     def save():
         with logger.paused():
@@ -103,14 +110,19 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     while iteration < training.train_iters:
-        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq)
+        hooks.before_step(iteration)
+        batch = global_batch_size_at(consumed, training.batch_size_schedule,
+                                     training.global_batch_size)
+        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq, batch)
         iteration += 1
-        consumed += training.global_batch_size
+        consumed += batch
         saved = False
-        logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, optimizer.get_loss_scale(), skipped=not ok)
+        logger.log_iteration(iteration, consumed, loss,
+                             get_canonical_lr_for_logging(optimizer.param_groups), grad_norm,
+                             optimizer.get_loss_scale(), skipped=not ok, global_batch_size=batch)
+        hooks.after_step(iteration, model)
         if valid_batches is not None and iteration % training.eval_interval == 0:
-            with logger.paused():
+            with logger.paused(), hooks.around_evaluation():
                 logger.log_validation(iteration, evaluate(valid_batches, model, training,
                                                           local_seq))
         reason = exit_request.reason()
@@ -126,16 +138,19 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
             break
     if checkpoint.save and not saved:
         save()
+    hooks.close()
     logger.close()
 
 
-def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int):
-    """One optimizer step -> (loss, grad norm, applied); a NaN / Inf stops the run with what to
-    resume from and what to change."""
+def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
+          global_batch: int):
+    """One optimizer step over `global_batch` samples -> (loss, grad norm, applied); a NaN /
+    Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
+    per_step = config.training.micro_batch_size * config.dims.dp
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,
-                          local_seq)
+                          local_seq, num_microbatches=global_batch // per_step)
     except NonFiniteError as error:
         save = config.checkpoint.save
         last = (f"the last checkpoint (--save {save}) is the one to resume from" if save
