@@ -53,31 +53,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--optimizer", choices=("adam",), default="adam")
     g.add_argument("--lr", type=float, default=None, help="required unless --skip-train")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
-                                                "inverse-square-root", "WSD"), default="linear")
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=("exponential", "linear", "cosine", "minus_sqrt"),
-                   help="--lr-decay-style WSD: the shape of the final anneal")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
-                   help="--lr-decay-style WSD with --train-iters: anneal iterations")
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
-                   help="--lr-decay-style WSD with --train-samples: anneal samples")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0,
-                   help="warmup in samples (with --train-samples)")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of the decay length (instead of "
-                   "--lr-warmup-iters / --lr-warmup-samples)")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="the LR warmup starts from")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="with --train-samples; default --train-samples")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="max LR of the input embedding and output layer (megatron-core's "
-                   "param groups); the others keep --lr")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="min LR of the --decoupled-lr group; default --min-lr")
+    _add_schedule_arguments(g)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--start-weight-decay", type=float, default=None,
                    help="with --weight-decay-incr-style linear/cosine")
@@ -117,6 +93,36 @@ def add_arguments(parser) -> None:
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
+
+
+def _add_schedule_arguments(g) -> None:
+    """The LR schedule: decay style, warmup and decay in iterations or samples, WSD,
+    decoupled LR."""
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
+                                                "inverse-square-root", "WSD"), default="linear")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   help="--lr-decay-style WSD: the shape of the final anneal")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="--lr-decay-style WSD with --train-iters: anneal iterations")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="--lr-decay-style WSD with --train-samples: anneal samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="warmup in samples (with --train-samples)")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay length (instead of "
+                   "--lr-warmup-iters / --lr-warmup-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the LR warmup starts from")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples; default --train-samples")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="max LR of the input embedding and output layer (megatron-core's "
+                   "param groups); the others keep --lr")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="min LR of the --decoupled-lr group; default --min-lr")
 
 
 def check_values(args) -> None:
