@@ -5,7 +5,8 @@
   get_optimizer_param_scheduler gives it: checked against a scheduler built from those numbers
   by hand and against closed-form values.
 - --decoupled-lr: megatron-core's param groups on CPU too; the embedding and output layer follow
-  their own schedule, the rest --lr (two gloo ranks, with the DP-replica weight hash).
+  their own schedule, the rest --lr (two gloo ranks, with the DP-replica weight hash and
+  --data-parallel-random-init's dropout seeds).
 - --rampup-batch-size / --step-batch-size-schedule: the pure function against megatron-core's
   calculators where the installed version has them, and closed-form values; the config errors.
 - The profiler writes a trace of the given steps; --manual-gc turns the collector off and on.
@@ -20,6 +21,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import spawn
 from megatron.core import num_microbatches_calculator as calculators
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -118,6 +120,7 @@ def _decoupled_worker(rank, world):
     from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.training import model as builders
     from megatron_ulysses.training.arguments import padded_vocab_size
+    from megatron_ulysses.training.loop import dropout_base_seed
     from megatron_ulysses.training.step_hooks import weights_match_across_replicas
 
     cpu_compat.install()
@@ -149,8 +152,36 @@ def _decoupled_worker(rank, world):
             with torch.no_grad():
                 named["module.decoder.final_layernorm.weight"].add_(1e-3)
         assert not weights_match_across_replicas(model)  # every rank sees the difference
+        seeds = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        random_init = parse_args(BASE + ["--train-iters", "2", "--data-parallel-random-init",
+                                         "--seed", "7"], world_size=world).training
+        dist.all_gather(seeds, torch.tensor([dropout_base_seed(random_init)]))
+        assert [int(seed) for seed in seeds] == [7, 17]  # Megatron-LM's seed + 10 x DP rank
+        assert dropout_base_seed(config.training) == config.training.seed
+        _check_wd_on_qk_layernorm(world)
     finally:
         ps.destroy_model_parallel()
+
+
+def _check_wd_on_qk_layernorm(world):
+    """--apply-wd-to-qk-layernorm: megatron-core's overrides decay the q/k norms, no other
+    1-D parameter."""
+    from megatron_ulysses.training import model as builders
+    from megatron_ulysses.training.optimizer import mcore_optimizer_config, param_groups
+
+    for flags, qk_mult in (([], 0.0), (["--apply-wd-to-qk-layernorm"], 1.0)):
+        config = parse_args(BASE + ["--train-iters", "2", "--qk-layernorm"] + flags,
+                            world_size=world).with_padded_vocab_size(128)
+        model = builders.build_model(config.model, config.optimizer, config.training.seed,
+                                     builders.transformer_config(config.model, config.dims))
+        groups = param_groups(model, mcore_optimizer_config(config.optimizer, config.model))
+        mult = {name: g["wd_mult"] for name, p in model.named_parameters() for g in groups
+                if any(p is q for q in g["params"])}
+        attention = "module.decoder.layers.0.self_attention."
+        assert mult[attention + "q_layernorm.weight"] == qk_mult
+        assert mult[attention + "k_layernorm.weight"] == qk_mult
+        assert mult["module.decoder.final_layernorm.weight"] == 0.0
+        assert mult[attention + "linear_qkv.weight"] == 1.0
 
 
 def test_decoupled_lr_uses_megatron_core_param_groups_on_cpu():

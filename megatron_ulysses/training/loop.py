@@ -40,10 +40,16 @@ def initialize_distributed(config: RunConfig) -> None:
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
     ps.initialize_model_parallel(dims=config.dims)
-    seed = config.training.seed
-    if config.training.data_parallel_random_init:  # Megatron-LM's seed + 10 x DP rank
-        seed += 10 * ps.get_pure_data_parallel_rank()
-    rng.seed_dropout_streams(seed)  # per SP rank and stage
+    rng.seed_dropout_streams(dropout_base_seed(config.training))  # per SP rank and stage
+
+
+def dropout_base_seed(training) -> int:
+    """--seed, or with --data-parallel-random-init Megatron-LM's seed + 10 x DP rank (the pure
+    DP rank: the SP ranks of one replica share it). Megatron-LM seeds the weights with it too but
+    then broadcasts DP rank 0's, so only the dropout streams differ: the weights stay --seed's."""
+    if not training.data_parallel_random_init:
+        return training.seed
+    return training.seed + 10 * ps.get_pure_data_parallel_rank()
 
 
 def evaluate_only(config: RunConfig, tokenizer) -> None:

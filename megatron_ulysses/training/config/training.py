@@ -116,8 +116,10 @@ def _add_run_arguments(g) -> None:
                    help="every N iterations: raise unless every DP x SP replica holds the same "
                    "weights (megatron-core's check_param_hashes_across_dp_replicas)")
     g.add_argument("--profile", action="store_true",
-                   help="profile iterations [--profile-step-start, --profile-step-end): "
-                   "nsys range on GPU, or --use-pytorch-profiler")
+                   help="profile the iterations numbered [--profile-step-start, "
+                   "--profile-step-end) in the log with --use-pytorch-profiler; without it an "
+                   "nsys range (cudaProfilerStart/Stop, GPU only) one iteration later, as "
+                   "Megatron-LM's")
     g.add_argument("--use-pytorch-profiler", action="store_true",
                    help="torch.profiler; rank R's chrome trace in "
                    "<--tensorboard-dir>/../torch_profile/rank-R.json.gz")
