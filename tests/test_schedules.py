@@ -9,7 +9,8 @@
   --data-parallel-random-init's dropout seeds).
 - --rampup-batch-size / --step-batch-size-schedule: the pure function against megatron-core's
   calculators where the installed version has them, and closed-form values; the config errors.
-- The profiler writes a trace of the given steps; --manual-gc turns the collector off and on.
+- The profiler writes a trace of the given steps; --manual-gc turns the collector off and on;
+  --rerun-mode disabled skips the loss check.
 - One torchrun story: a ramp at SP 2 equals SP 1, and a run stopped mid-ramp resumes equal.
 """
 
@@ -264,6 +265,13 @@ def _hooks_worker(rank, world, tmp_path):
         assert collect.call_count == 5
         hooks.close()
     assert gc.isenabled()
+    # --rerun-mode disabled: Megatron-LM's rerun machine then checks no loss (grads still are).
+    from megatron_ulysses.training.schedule import NonFiniteError, check_finite
+
+    nan_loss = torch.tensor([float("nan"), 4.0], dtype=torch.float64)
+    check_finite(nan_loss, torch.nn.Linear(2, 2), check_grads=False, check_loss=False)
+    with pytest.raises(NonFiniteError, match="loss is NaN"):
+        check_finite(nan_loss, torch.nn.Linear(2, 2), check_grads=False)
 
 
 def test_profiler_traces_the_given_steps_and_manual_gc(tmp_path):
