@@ -1,6 +1,7 @@
 """The pretraining loop, as a story: check the inputs (`training.inputs`), start the process
 groups, build the model, optimizer and scheduler (`training.model`), resume
-(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`),
+(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`,
+the global batch of `training.batch_schedule`, the run flags' `training.step_hooks` around it),
 log, evaluate, save and stop on `--exit-interval`, SIGTERM or the time limit (`training.exits`).
 """
 
@@ -13,10 +14,10 @@ from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from .. import parallel_state as ps
 from .. import rng
 from ..vocab import padded_vocab_size
+from .batch_schedule import global_batch_size_at
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
-from .batch_schedule import global_batch_size_at
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_model_and_optimizer, transformer_config
