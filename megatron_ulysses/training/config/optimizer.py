@@ -42,7 +42,7 @@ class OptimizerConfig:
     apply_wd_to_qk_layernorm: bool
     calculate_per_token_loss: bool
     # The scheduler's lengths in samples (Megatron-LM's get_optimizer_param_scheduler).
-    lr_warmup_steps: int
+    lr_warmup_steps: float  # a fraction of the decay need not be whole (Megatron-LM's)
     lr_decay_steps: int
     wd_incr_steps: int
     wsd_decay_steps: Optional[int]
@@ -155,10 +155,7 @@ def validate(args, ctx: Context) -> None:
             f"--lr-warmup-init ({args.lr_warmup_init}) must be <= --lr ({args.lr})")
     _check_decoupled_lr(args, ctx)
     _check_weight_decay(args)
-    if args.train_samples is None:
-        _iteration_schedule(args)
-    else:
-        _sample_schedule(args)
+    _schedule_lengths(args)
     _check_wsd(args)
     require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
@@ -197,63 +194,41 @@ def _check_weight_decay(args) -> None:
             f"({args.end_weight_decay}): the weight decay increases")
 
 
-def _iteration_schedule(args) -> None:
-    """--train-iters: lengths in iterations x the (final) global batch size, as Megatron-LM."""
-    for name in ("lr_decay_samples", "lr_wsd_decay_samples"):
-        require(getattr(args, name) is None, f"--{name.replace('_', '-')} goes with "
-                f"--train-samples; with --train-iters give --{name[:-8].replace('_', '-')}-iters")
-    require(args.lr_warmup_samples == 0, "--lr-warmup-samples goes with --train-samples; with "
-            "--train-iters give --lr-warmup-iters")
-    require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
-            "give --lr-warmup-fraction or --lr-warmup-iters, not both")
-    decay_defaulted = args.lr_decay_iters is None
+def _schedule_lengths(args) -> None:
+    """Megatron-LM's get_optimizer_param_scheduler: with --train-iters the lengths in iterations
+    x --global-batch-size, with --train-samples in samples (the other unit's flags refused, as
+    its validate_args does); the scheduler counts samples."""
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    scale = 1 if by_samples else args.global_batch_size
+    for what in ("lr_decay", "lr_wsd_decay", "lr_warmup"):
+        given = getattr(args, f"{what}_{other}")
+        require(given in (None, 0), f"--{what.replace('_', '-')}-{other} goes with --train-"
+                f"{other}; with --train-{unit} give --{what.replace('_', '-')}-{unit}")
+    warmup = getattr(args, f"lr_warmup_{unit}")
+    require(args.lr_warmup_fraction is None or warmup == 0,
+            f"give --lr-warmup-fraction or --lr-warmup-{unit}, not both")
+    run_length = args.train_samples if by_samples else args.train_iters
+    decay_defaulted = getattr(args, f"lr_decay_{unit}") is None
     if decay_defaulted:
-        args.lr_decay_iters = args.train_iters
-    gbs = args.global_batch_size
-    args.lr_decay_steps = args.lr_decay_iters * gbs
-    args.wd_incr_steps = args.train_iters * gbs
-    args.wsd_decay_steps = (None if args.lr_wsd_decay_iters is None
-                            else args.lr_wsd_decay_iters * gbs)
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    args.lr_warmup_steps = (args.lr_warmup_iters * gbs if args.lr_warmup_fraction is None
-                            else int(args.lr_warmup_fraction * args.lr_decay_steps))
-    warmup = ("--lr-warmup-iters" if args.lr_warmup_fraction is None else
-              f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters")
-    decay = "--lr-decay-iters" + (" (default --train-iters)" if decay_defaulted else "")
-    _check_warmup_within_decay(args, f"{warmup} ({args.lr_warmup_iters} iterations)",
-                               f"{decay} ({args.lr_decay_iters})")
-
-
-def _sample_schedule(args) -> None:
-    """--train-samples: lengths in samples, as Megatron-LM (the iteration flags are refused)."""
-    for name in ("lr_decay_iters", "lr_wsd_decay_iters"):
-        require(getattr(args, name) is None, f"--{name.replace('_', '-')} goes with "
-                f"--train-iters; with --train-samples give --{name[:-6].replace('_', '-')}"
-                "-samples")
-    require(args.lr_warmup_iters == 0, "--lr-warmup-iters goes with --train-iters; with "
-            "--train-samples give --lr-warmup-samples")
-    require(args.lr_warmup_fraction is None or args.lr_warmup_samples == 0,
-            "give --lr-warmup-fraction or --lr-warmup-samples, not both")
-    decay_defaulted = args.lr_decay_samples is None
-    if decay_defaulted:
-        args.lr_decay_samples = args.train_samples
-    args.lr_decay_steps = args.lr_decay_samples
-    args.wd_incr_steps = args.train_samples
-    args.wsd_decay_steps = args.lr_wsd_decay_samples
-    args.lr_warmup_steps = (args.lr_warmup_samples if args.lr_warmup_fraction is None
-                            else int(args.lr_warmup_fraction * args.lr_decay_samples))
-    warmup = ("--lr-warmup-samples" if args.lr_warmup_fraction is None else
-              f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-samples")
-    decay = "--lr-decay-samples" + (" (default --train-samples)" if decay_defaulted else "")
-    _check_warmup_within_decay(args, f"{warmup} ({args.lr_warmup_steps} samples)",
-                               f"{decay} ({args.lr_decay_samples})")
-
-
-def _check_warmup_within_decay(args, warmup: str, decay: str) -> None:
+        setattr(args, f"lr_decay_{unit}", run_length)
+    decay = getattr(args, f"lr_decay_{unit}")
+    wsd = getattr(args, f"lr_wsd_decay_{unit}")
+    args.lr_decay_steps, args.wd_incr_steps = decay * scale, run_length * scale
+    args.wsd_decay_steps = None if wsd is None else wsd * scale
+    if args.lr_warmup_fraction is None:
+        args.lr_warmup_steps = warmup * scale
+        warmup_flag = f"--lr-warmup-{unit}"
+    else:  # a float, as Megatron-LM passes it
+        args.lr_warmup_steps = args.lr_warmup_fraction * args.lr_decay_steps
+        warmup = args.lr_warmup_steps / scale
+        warmup_flag = f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-{unit}"
     # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).
+    noun = "samples" if by_samples else "iterations"
     require(args.lr_warmup_steps < args.lr_decay_steps or args.skip_train,
-            f"{warmup} must be < {decay}; shorten the warmup or lengthen the decay")
+            f"{warmup_flag} ({warmup:g} {noun}) must be < --lr-decay-{unit}"
+            f"{f' (default --train-{unit})' if decay_defaulted else ''} ({decay}); shorten the "
+            "warmup or lengthen the decay")
 
 
 def _check_wsd(args) -> None:
