@@ -65,8 +65,7 @@ def _build(world: int, *flags: str):
                                  builders.transformer_config(config.model, config.dims))
     optimizer = build_optimizer(config.optimizer, config.model, model)
     optimizer.step()  # zero gradients: Adam states exist, as in a checkpoint of a real run
-    return config, model, optimizer, builders.build_scheduler(config.optimizer,
-                                                              config.training, optimizer)
+    return config, model, optimizer, builders.build_scheduler(config.optimizer, optimizer)
 
 
 def _teardown():

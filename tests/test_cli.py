@@ -370,7 +370,8 @@ def test_megatron_lm_compatibility_flags():
     with pytest.raises(ConfigError, match="--exit-duration-in-mins saves before exiting: it "
                        "needs --save"):
         parse_args(BASE + ["--exit-duration-in-mins", "10"], world_size=1)
-    assert args.optimizer.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
+    # half of --lr-decay-iters = --train-iters 2, in samples of the global batch (1)
+    assert args.optimizer.lr_warmup_steps == 1
     i = BASE.index("--train-iters")
     argv = BASE[:i] + BASE[i + 2:] + ["--train-samples", "10", "--global-batch-size", "5"]
     assert parse_args(argv, world_size=1).training.train_iters == 2

@@ -97,9 +97,11 @@ class TrainingLogger:
             self.start += time.time() - start
 
     def log_iteration(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                      grad_norm, loss_scale, skipped: bool) -> None:
+                      grad_norm, loss_scale, skipped: bool, global_batch_size: int = None) -> None:
         """`grad_norm` and `loss_scale` as the optimizer returns them: a float, a 0-d tensor
-        (megatron-core 0.19) or None."""
+        (megatron-core 0.19) or None; `global_batch_size`: this iteration's (a ramp's)."""
+        if global_batch_size is not None:
+            self.global_batch_size = global_batch_size
         grad_norm = _as_float(grad_norm)
         loss_scale = _as_float(loss_scale)
         if self.first_iteration is None:

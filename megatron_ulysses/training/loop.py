@@ -1,6 +1,7 @@
 """The pretraining loop, as a story: check the inputs (`training.inputs`), start the process
 groups, build the model, optimizer and scheduler (`training.model`), resume
-(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`),
+(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`,
+the global batch of `training.batch_schedule`, the run flags' `training.step_hooks` around it),
 log, evaluate, save and stop on `--exit-interval`, SIGTERM or the time limit (`training.exits`).
 """
 
@@ -8,11 +9,13 @@ import os
 import time
 
 import torch
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from .. import parallel_state as ps
 from .. import rng
 from ..processes import guard_rank
 from ..vocab import padded_vocab_size
+from .batch_schedule import global_batch_size_at
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
@@ -21,6 +24,7 @@ from .logging import TrainingLogger, print_rank_0
 from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
 from .save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
+from .step_hooks import StepHooks
 
 
 def set_deterministic_mode() -> None:
@@ -40,7 +44,16 @@ def initialize_distributed(config: RunConfig) -> None:
                            config.training.distributed_timeout_minutes)
     instances = config.performance.num_distributed_optimizer_instances
     ps.initialize_model_parallel(dims=config.dims, num_distributed_optimizer_instances=instances)
-    rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
+    rng.seed_dropout_streams(dropout_base_seed(config.training))  # per SP rank and stage
+
+
+def dropout_base_seed(training) -> int:
+    """--seed, or with --data-parallel-random-init Megatron-LM's seed + 10 x DP rank (the pure
+    DP rank: the SP ranks of one replica share it). Megatron-LM seeds the weights with it too but
+    then broadcasts DP rank 0's, so only the dropout streams differ: the weights stay --seed's."""
+    if not training.data_parallel_random_init:
+        return training.seed
+    return training.seed + 10 * ps.get_pure_data_parallel_rank()
 
 
 def evaluate_only(config: RunConfig, tokenizer) -> None:
@@ -101,6 +114,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     training, checkpoint = config.training, config.checkpoint
     local_seq = config.dims.local_seq_length(config.model.seq_length)
     logger = TrainingLogger(config, config.dims.world_size)
+    hooks = StepHooks(training, config.logging.tensorboard_dir)
 
     def save():
         gather_params(model, config.performance)
@@ -111,14 +125,19 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     while iteration < training.train_iters:
-        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq)
+        hooks.before_step(iteration)
+        batch = global_batch_size_at(consumed, training.batch_size_schedule,
+                                     training.global_batch_size)
+        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq, batch)
         iteration += 1
-        consumed += training.global_batch_size
+        consumed += batch
         saved = False
-        logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, optimizer.get_loss_scale(), skipped=not ok)
+        logger.log_iteration(iteration, consumed, loss,
+                             get_canonical_lr_for_logging(optimizer.param_groups), grad_norm,
+                             optimizer.get_loss_scale(), skipped=not ok, global_batch_size=batch)
+        hooks.after_step(iteration, model)
         if valid_batches is not None and iteration % training.eval_interval == 0:
-            with logger.paused():
+            with logger.paused(), hooks.around_evaluation():
                 logger.log_validation(iteration, evaluate(valid_batches, model, training,
                                                           local_seq))
         reason = exit_request.reason()
@@ -134,16 +153,19 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
             break
     if checkpoint.save and not saved:
         save()
+    hooks.close()
     logger.close()
 
 
-def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int):
-    """One optimizer step -> (loss, grad norm, applied); a NaN / Inf stops the run with what to
-    resume from and what to change."""
+def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
+          global_batch: int):
+    """One optimizer step over `global_batch` samples -> (loss, grad norm, applied); a NaN /
+    Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
+    per_step = config.training.micro_batch_size * config.dims.dp
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,
-                          local_seq)
+                          local_seq, num_microbatches=global_batch // per_step)
     except NonFiniteError as error:
         save = config.checkpoint.save
         last = (f"the last checkpoint (--save {save}) is the one to resume from" if save

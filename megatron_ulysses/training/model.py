@@ -24,7 +24,7 @@ from ..backends import te_available
 from ..layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
-from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig, TrainingConfig
+from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config.performance import ddp_kwargs, transformer_kwargs
 from .optimizer import build_optimizer
 
@@ -146,18 +146,19 @@ def gather_params(model: DistributedDataParallel, performance: PerformanceConfig
         model.start_param_sync(force_sync=True)
 
 
-def build_scheduler(config: OptimizerConfig, training: TrainingConfig,
-                    optimizer) -> OptimizerParamScheduler:
-    """LR and weight-decay schedule in samples, as Megatron-LM counts them."""
-    gbs = training.global_batch_size
+def build_scheduler(config: OptimizerConfig, optimizer) -> OptimizerParamScheduler:
+    """LR and weight-decay schedule in samples, as Megatron-LM's get_optimizer_param_scheduler
+    (the lengths are the config's, `config.optimizer.validate` derives them); each param group's
+    own `max_lr` / `min_lr` (--decoupled-lr) is read by the scheduler."""
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
-        lr_warmup_steps=config.lr_warmup_iters * gbs, lr_decay_steps=config.lr_decay_iters * gbs,
-        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
-        end_wd=config.weight_decay, wd_incr_steps=training.train_iters * gbs,
-        wd_incr_style="constant",
+        optimizer, init_lr=config.lr_warmup_init, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_steps, lr_decay_steps=config.lr_decay_steps,
+        lr_decay_style=config.lr_decay_style, start_wd=config.start_weight_decay,
+        end_wd=config.end_weight_decay, wd_incr_steps=config.wd_incr_steps,
+        wd_incr_style=config.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=config.override_opt_param_scheduler,
+        wsd_decay_steps=config.wsd_decay_steps, lr_wsd_decay_style=config.lr_wsd_decay_style,
     )
 
 
@@ -179,4 +180,4 @@ def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
     mcore_config.no_sync_func = model.no_sync
     if config.model.fp16:
         mcore_config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer, build_scheduler(config.optimizer, config.training, optimizer)
+    return model, optimizer, build_scheduler(config.optimizer, optimizer)
