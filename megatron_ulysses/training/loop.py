@@ -36,7 +36,9 @@ def initialize_distributed(config: RunConfig) -> None:
         set_deterministic_mode()
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
-    ps.initialize_model_parallel(dims=config.dims)
+    ps.initialize_model_parallel(
+        dims=config.dims, create_gloo_process_groups=config.model.use_gloo_process_groups,
+        num_distributed_optimizer_instances=config.model.num_distributed_optimizer_instances)
     rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
 
 
