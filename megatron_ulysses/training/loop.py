@@ -11,7 +11,7 @@ import torch
 
 from .. import parallel_state as ps
 from .. import rng
-from ..vocab import padded_vocab_size
+from ..vocab import model_vocab_size
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
@@ -63,8 +63,9 @@ def pretrain(config: RunConfig) -> None:
     start = time.time()  # --exit-duration-in-mins counts from here
     tokenizer = check_inputs(config)
     dims = config.dims
-    config = config.with_padded_vocab_size(padded_vocab_size(
-        tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, dims.tp))
+    config = config.with_padded_vocab_size(model_vocab_size(
+        tokenizer.vocab_size, config.model.padded_vocab_size,
+        config.model.make_vocab_size_divisible_by, dims.tp))
     initialize_distributed(config)
     print_rank_0(f" > world {dims.world_size} = TP {dims.tp} x PP {dims.pp} x DP {dims.dp} x "
                  f"Ulysses SP {dims.sp}; {config.training.num_microbatches} micro batches per "
