@@ -203,3 +203,26 @@ def test_per_split_data_paths_and_no_mmap(corpus_prefix, sp_model, tmp_path):
     assert len(train.indices) == len(valid.indices) == len(train.dataset)
     assert not train.dataset.mmap
     assert torch.equal(torch.as_tensor(train[0]["tokens"]), torch.as_tensor(valid[0]["tokens"]))
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--train-iters", ["samples", "dataset index"]),
+    ("--seq-length", ["--max-position-embeddings", "weights"]),
+    ("--hidden-size", ["--hidden-size 1000000000000", "weights"]),
+])
+def test_sizes_no_machine_holds_are_one_message(flag, words):
+    argv = list(BASE)
+    argv[argv.index(flag) + 1] = str(10**12)
+    said = problem(argv)
+    assert "more than any machine has" in said and all(word in said for word in words), said
+    rope = problem(argv + ["--position-embedding-type", "rope"])
+    assert "more than any machine has" in rope, rope
+
+
+def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
+    assert problem(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                    "--group-query-attention", "--num-query-groups", "8",
+                    "--ffn-hidden-size", "28672", "--seq-length", str(2**20),
+                    "--position-embedding-type", "rope", "--micro-batch-size", "1",
+                    "--lr", "1e-3", "--train-iters", "100000", "--mock-data",
+                    "--vocab-size", "128256", "--ulysses-sp-size", "64"], world_size=64) == ""

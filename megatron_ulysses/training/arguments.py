@@ -14,8 +14,8 @@ import torch
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
-from .config import (checkpoint, compat, data, fusions, logging, memory, model, optimizer,
-                     parallel, training)
+from .config import (bounds, checkpoint, compat, data, fusions, logging, memory, model,
+                     optimizer, parallel, training)
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
@@ -24,7 +24,8 @@ from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 # Each flag alone first (after the flags every check needs), then the sections' rules: data
 # first, since missing files are what a user fixes first; then the rules between sections.
 _VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint)
-_RULES = (data, model, memory, fusions, training, optimizer, parallel, checkpoint, logging)
+_RULES = (data, model, memory, fusions, training, optimizer, parallel, bounds, checkpoint,
+          logging)
 
 
 class _Parser(argparse.ArgumentParser):
