@@ -107,8 +107,8 @@ def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
     words = [" ".join([word] + values) for word, values in given.items() if word not in out]
     if words:
         known = list(parser._option_string_actions)
-        close = {word.split()[0]: difflib.get_close_matches(word.split()[0], known, n=2)
-                 for word in words}
+        close = {word.split()[0]: difflib.get_close_matches(word.split()[0], known, n=2,
+                                                            cutoff=0.75) for word in words}
         hints = [f"{word} (did you mean {' or '.join(close[word.split()[0]])}?)"
                  if close[word.split()[0]] else word for word in words]
         problems.append("unrecognized arguments: " + " ".join(hints))
