@@ -64,7 +64,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
-    add_tokenizer_arguments(g)
+    add_tokenizer_arguments(g, type_help="default GPT2BPETokenizer (as Megatron-LM's "
+                            "pretrain_gpt.py); NullTokenizer with --mock-data and no --vocab-file")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
