@@ -96,23 +96,25 @@ def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
             given.setdefault(flag, []).extend([value] if value else [])
         elif flag is not None:
             given[flag].append(word)
-        else:
+        else:  # a stray value, e.g. after a store_true flag
             given.setdefault(word, [])
     groups = compat.out_of_scope(given)
     context_parallel = parallel.context_parallel_refusal(namespace)
     problems = []
     if groups or context_parallel:
         problems.append(compat.refusal(groups, [context_parallel] if context_parallel else []))
-    out = {name for names in groups.values() for name in names}
-    words = [" ".join([word] + values) for word, values in given.items() if word not in out]
+    refused = {name for names in groups.values() for name in names}
+    known = list(parser._option_string_actions)
+    words = [" ".join([word] + values) + _did_you_mean(word, known)
+             for word, values in given.items() if word not in refused]
     if words:
-        known = list(parser._option_string_actions)
-        close = {word.split()[0]: difflib.get_close_matches(word.split()[0], known, n=2,
-                                                            cutoff=0.75) for word in words}
-        hints = [f"{word} (did you mean {' or '.join(close[word.split()[0]])}?)"
-                 if close[word.split()[0]] else word for word in words]
-        problems.append("unrecognized arguments: " + " ".join(hints))
+        problems.append("unrecognized arguments: " + " ".join(words))
     return problems
+
+
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, known, n=2, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
