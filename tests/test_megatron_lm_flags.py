@@ -114,6 +114,12 @@ def test_model_flags_reach_megatron_cores_config():
     assert mcore.init_method is torch.nn.init.xavier_uniform_
     assert mcore.output_layer_init_method is torch.nn.init.xavier_uniform_
     assert mcore.recompute_granularity == "selective"
+    # on GPU the weights are made on the GPU unless --use-cpu-initialization (CPU: always)
+    assert model_builders._transformer_config(config.model, config.dims, True) \
+        .use_cpu_initialization
+    default = parse_args(BASE, world_size=1)
+    assert not model_builders._transformer_config(default.model, default.dims, True) \
+        .use_cpu_initialization
 
 
 @pytest.mark.parametrize("rms", [False, True])

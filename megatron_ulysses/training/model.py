@@ -72,7 +72,7 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         pipeline_dtype=model.params_dtype,
         bf16=model.bf16,
         fp16=model.fp16,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=model.use_cpu_initialization or not cuda,
         calculate_per_token_loss=True,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,

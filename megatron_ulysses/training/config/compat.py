@@ -24,8 +24,6 @@ def add_arguments(parser) -> None:
          "(it forces the softmax into fp32): every attention backend here computes the "
          "softmax in fp32, so the result is the same"),
         ("--no-persist-layer-norm", "apex's persistent LayerNorm kernel is never used here"),
-        ("--use-cpu-initialization", "weights are initialised on the CPU and then moved "
-         "(megatron-core's use_cpu_initialization; on CPU runs that is what happens anyway)"),
     ):
         g.add_argument(flag, action="store_true", help=why)
 

@@ -59,6 +59,7 @@ class ModelConfig(MemoryFields, FusionFields, PipelineFields):
     mup_base_hidden_size: Optional[int]
     test_mode: bool
     te_rng_tracker: bool
+    use_cpu_initialization: bool
     # --padded-vocab-size, or from the tokenizer by `pretrain` (`vocab.model_vocab_size`)
     padded_vocab_size: Optional[int] = None
 
@@ -82,6 +83,9 @@ def add_arguments(parser, model_flags_required: bool = True) -> None:
     g.add_argument("--te-rng-tracker", action="store_true",
                    help="Transformer Engine's CUDA RNG tracker (megatron-core's "
                    "te_rng_tracker); GPU with --transformer-impl transformer_engine only")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise the weights on the CPU, then move them (megatron-core's "
+                   "use_cpu_initialization; CPU runs always do)")
     g.add_argument("--test-mode", action="store_true",
                    help="megatron-core's test_mode: extra self-checks in its layers")
     g.add_argument("--use-mup", action="store_true",
