@@ -39,6 +39,8 @@ def initialize_distributed(config: RunConfig) -> None:
     ps.initialize_model_parallel(
         dims=config.dims, create_gloo_process_groups=config.model.use_gloo_process_groups,
         num_distributed_optimizer_instances=config.model.num_distributed_optimizer_instances)
+    if config.model.te_rng_tracker:
+        rng.use_te_rng_tracker()
     rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
 
 

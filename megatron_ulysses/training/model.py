@@ -59,6 +59,7 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
         layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         rotary_interleaved=model.rotary_interleaved,
         test_mode=model.test_mode,
+        use_te_rng_tracker=model.te_rng_tracker,
         num_layers_in_first_pipeline_stage=model.decoder_first_pipeline_num_layers,
         num_layers_in_last_pipeline_stage=model.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=model.account_for_embedding_in_pipeline_split,
