@@ -92,7 +92,7 @@ def validate(args, ctx: Context) -> None:
                if given]
     require(len(sources) == 1, "give one data source: --data-path PREFIX (tools/"
             "preprocess_data.py writes one), --train-data-path/--valid-data-path/--test-data-"
-            "path, or --mock-data" + (f"; got {' and '.join(sources)}" if sources else ""))
+            "path, or --mock-data" + (f"; not both {' and '.join(sources)}" if sources else ""))
     if args.tokenizer_type is None:
         args.tokenizer_type = ("NullTokenizer" if args.mock_data and args.vocab_file is None
                                else "GPT2BPETokenizer")
