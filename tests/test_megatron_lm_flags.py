@@ -232,3 +232,28 @@ def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
                     "--position-embedding-type", "rope", "--micro-batch-size", "1",
                     "--lr", "1e-3", "--train-iters", "100000", "--mock-data",
                     "--vocab-size", "128256", "--ulysses-sp-size", "64"], world_size=64) == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--decoder-first-pipeline-num-layers", "1"], None),  # 1 + 3 layers
+    (["--account-for-embedding-in-pipeline-split", "--num-layers", "3"], None),  # 1 + 3 "layers"
+    (["--decoder-last-pipeline-num-layers", "4"], "leaves 0 layers for the other 1"),
+    (["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
+     "are exclusive"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "does not build yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "must be divisible by"),
+])
+def test_pipeline_layout_flags_follow_megatron_lms_rules_on_gpu(argv, message):
+    from megatron_ulysses.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(BASE + ["--num-layers", "4",
+                                             "--pipeline-model-parallel-size", "2"] + argv)
+    if message is None:
+        config = validate_args(args, world_size=2, cuda=True)
+        mcore = model_builders._transformer_config(config.model, config.dims, True)
+        assert mcore.num_layers_in_first_pipeline_stage == args.decoder_first_pipeline_num_layers
+        assert mcore.account_for_embedding_in_pipeline_split == \
+            args.account_for_embedding_in_pipeline_split
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate_args(args, world_size=2, cuda=True)
