@@ -53,7 +53,8 @@ def test_missing_required_flags_come_with_the_other_problems():
     assert "required: --num-layers, --num-attention-heads, --seq-length" in said, said
 
 
-@pytest.mark.parametrize("group, _, prefixes, names", OUT_OF_SCOPE, ids=[g[0] for g in OUT_OF_SCOPE])
+@pytest.mark.parametrize("group, _, prefixes, names", OUT_OF_SCOPE,
+                         ids=[group[0] for group in OUT_OF_SCOPE])
 def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, names):
     flags = [prefix + "x" for prefix in prefixes if prefix.endswith("-")] + list(names)[:2]
     said = problem(BASE + [word for flag in flags for word in (flag, "1")])
