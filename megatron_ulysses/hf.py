@@ -196,7 +196,8 @@ def _check_exportable(args: dict, model_type: str) -> None:
             raise ValueError(f"cannot export to {model_type}: {key}={args.get(key)!r} "
                              f"(needs {value!r})")
     for key, value in (("qk_layernorm", False), ("rotary_percent", 1.0),
-                       ("rotary_interleaved", False)):
+                       ("rotary_interleaved", False), ("apply_layernorm_1p", False),
+                       ("squared_relu", False)):
         if args.get(key, value) != value:
             raise ValueError(f"cannot export to {model_type}: {key}={args[key]!r}")
 

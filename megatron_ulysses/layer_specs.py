@@ -7,6 +7,9 @@ ones otherwise) with one entry swapped: `self_attention.submodules.core_attentio
 
 import copy
 
+import torch
+import torch.nn.functional as F
+
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,6 +27,34 @@ from .memory.tiled_mlp import mark_recompute_chunk_ends, tiled_mlp_layer_spec
 from .rope import ShardedRotaryEmbedding
 
 
+class ZeroCenteredNorm(torch.nn.Module):
+    """LayerNorm / RMSNorm over the last dim `h` whose weight stores gamma - 1 (zero at init,
+    applied as 1 + w): megatron-core's `layernorm_zero_centered_gamma` (--apply-layernorm-1p),
+    which its torch `WrappedTorchNorm` refuses. Same parameter names as torch's norms."""
+
+    def __init__(self, hidden_size: int, eps: float, rms: bool):
+        super().__init__()
+        self.eps, self.rms = eps, rms
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size))
+        self.bias = None if rms else torch.nn.Parameter(torch.zeros(hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (self.weight.numel(),)
+        if self.rms:
+            return F.rms_norm(x, shape, 1 + self.weight, self.eps)
+        return F.layer_norm(x, shape, 1 + self.weight, self.bias, self.eps)
+
+
+class LocalTorchNorm:
+    """megatron-core's `WrappedTorchNorm`, or `ZeroCenteredNorm` under the config's
+    `layernorm_zero_centered_gamma`."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        if config.layernorm_zero_centered_gamma:
+            return ZeroCenteredNorm(hidden_size, eps, rms=config.normalization == "RMSNorm")
+        return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+
+
 class SequenceParallelTorchNorm:
     """megatron-core's `WrappedTorchNorm` (torch LayerNorm / RMSNorm), also under
     `--sequence-parallel`, which `WrappedTorchNorm` refuses only because it does not mark its
@@ -34,7 +65,7 @@ class SequenceParallelTorchNorm:
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         local_config = copy.copy(config)
         local_config.sequence_parallel = False
-        norm = WrappedTorchNorm(local_config, hidden_size, eps, **kwargs)
+        norm = LocalTorchNorm(local_config, hidden_size, eps, **kwargs)
         for param in norm.parameters():
             setattr(param, "sequence_parallel", config.sequence_parallel)
         return norm
@@ -65,6 +96,10 @@ def get_gpt_layer_ulysses_spec(
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(spec.submodules, name) is WrappedTorchNorm:
             setattr(spec.submodules, name, SequenceParallelTorchNorm)
+    attention = spec.submodules.self_attention.submodules
+    for name in ("q_layernorm", "k_layernorm"):  # per head: never sequence-sharded
+        if getattr(attention, name) is WrappedTorchNorm:
+            setattr(attention, name, LocalTorchNorm)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=UlyssesAttention, params={"backend": backend}
     )
@@ -96,9 +131,10 @@ def build_gpt_model(config, vocab_size: int, max_sequence_length: int, backend: 
     )
     if tiled_mlp_shards is not None:
         spec = tiled_mlp_layer_spec(spec, tiled_mlp_shards)
-    if config.sequence_parallel and spec.submodules.input_layernorm is SequenceParallelTorchNorm:
+    if (config.sequence_parallel or config.layernorm_zero_centered_gamma) and \
+            spec.submodules.input_layernorm is SequenceParallelTorchNorm:
         # From a layer spec, megatron-core's block builds its final norm from its own default
-        # (TE, Apex or the SP-refusing WrappedTorchNorm); a block spec names it.
+        # (TE, Apex or WrappedTorchNorm, which refuses both); a block spec names it.
         num_layers = get_num_layers_to_build(config, vp_stage=gpt_kwargs.get("vp_stage"))
         spec = TransformerBlockSubmodules(
             layer_specs=[spec] * num_layers, layer_norm=SequenceParallelTorchNorm

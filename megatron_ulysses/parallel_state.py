@@ -22,7 +22,10 @@ from megatron.core.parallel_state import RankGenerator
 
 from . import cpu_compat
 
-_ORDER = "tp-cp-ep-dp-pp"  # megatron-core's default; our SP takes the 'cp' slot of the generator
+# megatron-core's default rank order, and Megatron-LM's --use-tp-pp-dp-mapping one; our SP takes
+# the 'cp' slot of the generator, right after TP in both.
+_ORDER = "tp-cp-ep-dp-pp"
+TP_PP_DP_ORDER = "tp-cp-ep-pp-dp"
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     sp: int = 1
+    order: str = _ORDER
 
     def __post_init__(self):
         for name, flag, value in (
@@ -64,7 +68,7 @@ class ParallelDims:
         megatron-core's DP group, right after TP in rank order) or "dp" (pure data parallel:
         the ranks that read different samples). Pure: no process group needed."""
         generator = RankGenerator(tp=self.tp, ep=1, dp=self.dp, pp=self.pp, cp=self.sp,
-                                  order=_ORDER)
+                                  order=self.order)
         return generator.get_ranks({"sp": "cp", "dp": "dp"}[axis])
 
     def validate_model(
@@ -174,7 +178,7 @@ def initialize_model_parallel(
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         context_parallel_size=1,
-        order=_ORDER,
+        order=dims.order,
         **megatron_kwargs,
     )
     rank = dist.get_rank()

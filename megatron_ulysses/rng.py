@@ -67,6 +67,12 @@ def dropout_seed(seed: int, sp_rank: int = None, pp_rank: int = None) -> int:
     return seed + SP_SEED_STRIDE * (1 + sp_rank) + PP_SEED_STRIDE * pp_rank
 
 
+def use_te_rng_tracker() -> None:
+    """--te-rng-tracker: megatron-core's tracker becomes Transformer Engine's (CUDA graphs
+    capture its streams); the streams are seeded as before."""
+    tensor_parallel.random.initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
+
+
 def seed_dropout_streams(seed: int) -> None:
     """Seed the default generator and the tracker's streams for dropout: per SP rank and
     pipeline stage, model-parallel-rng also per TP rank; python's `random` and numpy's global

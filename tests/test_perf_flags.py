@@ -151,14 +151,3 @@ def test_megatron_lms_rules_on_gpu(argv, world_size, match):
 def test_bad_values_name_the_flag(name, value):
     with pytest.raises(ConfigError, match=name):
         parse_args(BASE + [name, value], world_size=1)
-
-
-def test_pipeline_schedule_flags_are_checked_then_refused():
-    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage needs "
-                       "--pipeline-model-parallel-size > 1"):
-        parse_args(BASE + ["--num-layers-per-virtual-pipeline-stage", "1"], world_size=1)
-    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage, "
-                       "--decoder-first-pipeline-num-layers: not supported yet"):
-        on_gpu(["--bf16", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                "--num-layers-per-virtual-pipeline-stage", "1",
-                "--decoder-first-pipeline-num-layers", "1"], world_size=2)

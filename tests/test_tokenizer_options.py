@@ -42,7 +42,7 @@ def test_flags_spell_megatron_lm_and_default_to_its_values():
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--tiktoken-pattern", "v1"], "--tiktoken-pattern"),
+    (["--tiktoken-num-special-tokens", "5"], "--tiktoken-num-special-tokens"),
     (["--tokenizer-hf-no-use-fast"], "--tokenizer-hf-no-use-fast"),
     (["--null-tokenizer-eod-id", "3", "--vocab-extra-ids", "2"],
      "--vocab-extra-ids and --null-tokenizer-eod-id"),

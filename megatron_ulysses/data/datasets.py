@@ -64,6 +64,8 @@ def build_train_valid_test_datasets(
     is_built_on_rank: Callable[[], bool] = _every_rank,
     reset_position_ids: bool = False,
     eod_mask_loss: bool = False,
+    data_path_per_split: Optional[Sequence[Optional[List[str]]]] = None,
+    mmap_bin_files: bool = True,
 ) -> Tuple:
     """Build (train, valid, test) megatron-core ``GPTDataset`` splits; a split is ``None`` when
     its weight in ``split`` is 0.
@@ -81,6 +83,10 @@ def build_train_valid_test_datasets(
             initialised the builder calls ``barrier`` and must be called on every rank.
         reset_position_ids, eod_mask_loss: ``--reset-position-ids``/``--eod-mask-loss``, applied
             by megatron-core's ``GPTDataset`` to each sample (``GPTDatasetConfig``).
+        data_path_per_split: ``--train-data-path``/``--valid-data-path``/``--test-data-path``
+            words (``None`` for a split not given): each split's own blend, no ``split``.
+        mmap_bin_files: ``False`` (``--no-mmap-bin-files``): read ``.bin`` files with file
+            reads instead of ``mmap``.
 
     Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, built
     by ``tokenizer`` (one of ``build_tokenizer``'s).
@@ -91,15 +97,18 @@ def build_train_valid_test_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     check_dataset_helpers()
-    if mock_data == bool(data_path):
+    per_split = any(data_path_per_split or ())
+    if mock_data + bool(data_path) + per_split != 1:
         raise ValueError(
-            f"give exactly one of --data-path (got {data_path!r}) and --mock-data "
-            f"(got {mock_data})"
+            f"give exactly one of --data-path (got {data_path!r}), --train/valid/test-data-path "
+            f"(got {data_path_per_split!r}) and --mock-data (got {mock_data})"
         )
     # The files' contents and the split are check_data_path's, run once by the trainer first.
     blend = parse_data_path(data_path) if data_path else None
+    blends = [parse_data_path(words, f"--{name}-data-path") if words else None
+              for name, words in zip(SPLIT_NAMES, data_path_per_split)] if per_split else None
     config = _dataset_config(tokenizer, seq_length, blend, split, seed, data_cache_path,
-                             reset_position_ids, eod_mask_loss)
+                             reset_position_ids, eod_mask_loss, blends, mmap_bin_files)
     dataset_cls = MockGPTDataset if mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
@@ -109,8 +118,9 @@ def build_train_valid_test_datasets(
 
 def _dataset_config(tokenizer, seq_length: int, blend, split: str, seed: int,
                     data_cache_path: Optional[str], reset_position_ids: bool,
-                    eod_mask_loss: bool):
-    """megatron-core's ``GPTDatasetConfig`` (``blend`` None: mock data, no split).
+                    eod_mask_loss: bool, blend_per_split=None, mmap_bin_files: bool = True):
+    """megatron-core's ``GPTDatasetConfig`` (``blend`` and ``blend_per_split`` None: mock data;
+    ``split`` only with ``blend``).
     ``--reset-attention-mask`` is not passed on: ``GPTDatasetConfig.reset_attention_mask`` only
     shapes the dense ``[s, s]`` attention mask (off here, ``create_attention_mask=False``);
     ``sharding.document_boundaries`` gives the attention its ``cu_seqlens`` instead."""
@@ -120,7 +130,9 @@ def _dataset_config(tokenizer, seq_length: int, blend, split: str, seed: int,
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=blend_per_split,
         split=split if blend is not None else None,
+        mmap_bin_files=mmap_bin_files,
         path_to_cache=data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=reset_position_ids,
@@ -130,12 +142,21 @@ def _dataset_config(tokenizer, seq_length: int, blend, split: str, seed: int,
     )
 
 
+def unquote(split: str) -> str:
+    """``--split`` without one pair of matching surrounding quotes: Megatron-LM's Llama
+    examples pass ``"'99,1,0'"`` (a bash array element expanded unquoted), whose digits its own
+    parser reads."""
+    if len(split) >= 2 and split[0] == split[-1] and split[0] in "'\"":
+        return split[1:-1]
+    return split
+
+
 def parse_split(split: str) -> List[float]:
     """``--split`` weights, e.g. ``"969,30,1"`` -> ``[969.0, 30.0, 1.0]``: one to three
     non-negative decimals separated by ``,`` (or ``/``); missing weights are 0, as in
     megatron-core, whose own parser silently drops signs and anything but digits and dots.
     Raises ``ValueError`` naming ``--split``."""
-    parts = [part.strip() for part in re.split(r"[,/]", str(split))]
+    parts = [part.strip() for part in re.split(r"[,/]", unquote(str(split)))]
     usage = ("give 1 to 3 non-negative train,valid,test weights separated by commas, e.g. "
              "--split 969,30,1 or --split 99,1,0")
     if not 1 <= len(parts) <= len(SPLIT_NAMES):
@@ -303,7 +324,7 @@ def check_split(split: str, index: IndexSummary) -> None:
             f"weight to 0 to build no {name} split, or use more data")
 
 
-def parse_data_path(data_path: List[str]) -> Tuple:
+def parse_data_path(data_path: List[str], flag: str = "--data-path") -> Tuple:
     """``--data-path`` words -> megatron-core's blend ``(prefixes, weights or None)``; every
     prefix must have its ``.bin/.idx`` files (their contents are ``check_data_path``'s). Raises
     ``ValueError`` or ``FileNotFoundError`` naming the flag."""
@@ -315,31 +336,32 @@ def parse_data_path(data_path: List[str]) -> Tuple:
     except (AssertionError, ValueError):
         blend = None
     if not blend or not blend[0]:
-        raise ValueError(f"--data-path {' '.join(data_path)!r}: expected PREFIX ... or WEIGHT "
+        raise ValueError(f"{flag} {' '.join(data_path)!r}: expected PREFIX ... or WEIGHT "
                          "PREFIX WEIGHT PREFIX ...")
     weights = blend[1]
     if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ValueError(f"--data-path {' '.join(data_path)!r}: blend weights must be "
+        raise ValueError(f"{flag} {' '.join(data_path)!r}: blend weights must be "
                          f"positive, got {weights} (leave a prefix out to not read it)")
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
         raise FileNotFoundError(
-            f"--data-path prefixes without .bin/.idx files: {missing} (build them with "
+            f"{flag} prefixes without .bin/.idx files: {missing} (build them with "
             f"tools/preprocess_data.py --output-prefix)"
         )
     return blend
 
 
-def check_data_path(data_path: List[str], split: Optional[str] = None) -> Tuple:
+def check_data_path(data_path: List[str], split: Optional[str] = None,
+                    flag: str = "--data-path") -> Tuple:
     """Parse ``--data-path`` words into megatron-core's blend, check every prefix has sound
     ``.bin/.idx`` files and, with ``split`` (``--split``), that every split with a positive
     weight gets documents. Raises ``FileNotFoundError`` (missing files) or ``ValueError``
     (``DataError`` for the files and the split), naming the flag."""
-    blend = parse_data_path(data_path)
+    blend = parse_data_path(data_path, flag)
     if split is not None:
         parse_split(split)
     for prefix in dict.fromkeys(blend[0]):
-        index = check_index(prefix)
+        index = check_index(prefix, flag)
         if split is not None:
             check_split(split, index)
     return blend

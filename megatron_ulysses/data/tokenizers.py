@@ -144,8 +144,9 @@ def check_tokenizer_flags(config: Any) -> None:
                                        ("--tokenizer-model", config.tokenizer_model))
               if value is not None and flag not in files
               and not (flag == "--tokenizer-model" and config.tokenizer_type == "NullTokenizer")]
+    # Megatron-LM's Llama examples pass --tiktoken-pattern with NullTokenizer: the caller warns.
     unused += [_flag(dest, value) for dest, value in tokenizer_options(config).items()
-               if value != TOKENIZER_OPTIONS[dest][0]
+               if value != TOKENIZER_OPTIONS[dest][0] and dest != "tiktoken_pattern"
                and TOKENIZER_OPTIONS[dest][1] != config.tokenizer_type]
     if unused:
         raise ValueError(f"{' and '.join(unused)} {'is' if len(unused) == 1 else 'are'} not used "

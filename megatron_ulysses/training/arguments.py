@@ -6,6 +6,7 @@ defaults filled in, the frozen `RunConfig` returned.
 """
 
 import argparse
+import difflib
 import os
 
 import torch
@@ -13,8 +14,8 @@ import torch
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
-from .config import (checkpoint, compat, data, fusions, logging, memory, model, optimizer,
-                     parallel, performance, pipeline, training)
+from .config import (bounds, checkpoint, compat, data, fusions, logging, memory, model,
+                     optimizer, parallel, performance, training)
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
@@ -22,17 +23,98 @@ from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 
 # Each flag alone first (after the flags every check needs), then the sections' rules: data
 # first, since missing files are what a user fixes first; then the rules between sections.
-_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint, performance,
-                 pipeline)
-_RULES = (data, model, memory, fusions, training, optimizer, parallel, checkpoint, logging,
-          performance, pipeline)
+_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint, performance)
+_RULES = (data, model, memory, fusions, training, optimizer, parallel, bounds, checkpoint,
+          logging, performance)
 
 
 class _Parser(argparse.ArgumentParser):
-    """An argparse error is one line (the flag and what is wrong), not the 80-line usage."""
+    """An argparse error is one line (the flag and what is wrong), not the 80-line usage; all the
+    problems of a command line are reported together (`parse_all`)."""
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def parse_all(self, raw) -> argparse.Namespace:
+        """Parse `raw`, collecting every problem (bad values, missing required flags, unknown
+        and out-of-scope flags) into one message, exit 2; argparse stops at the first."""
+        namespace, unknown, problems = _parse_leniently(self, raw)
+        problems += _out_of_scope_and_unknown(self, namespace, unknown)
+        if len(problems) == 1:
+            self.error(problems[0])
+        if problems:
+            self.exit(2, f"{self.prog}: error: {len(problems)} problems:\n"
+                      + "".join(f"  - {problem}\n" for problem in problems)
+                      + "(--help lists the flags)\n")
+        return namespace
+
+
+def _parse_leniently(parser, raw):
+    """Pass 1 reads the words without types, choices or required flags (argparse would exit at
+    the first bad one); pass 2 applies them to the given values, collecting the problems."""
+    actions = [a for a in parser._actions if a.type or a.choices or a.required]
+    saved = [(a.type, a.choices, a.required) for a in actions]
+    try:
+        for action in actions:
+            action.type, action.choices, action.required = None, None, False
+        namespace, unknown = parser.parse_known_args(raw)
+    finally:
+        for action, (type_, choices, required) in zip(actions, saved):
+            action.type, action.choices, action.required = type_, choices, required
+    problems, missing = [], []
+    for action in actions:
+        value = getattr(namespace, action.dest, None)
+        if action.required and value is None:
+            missing.append("/".join(action.option_strings))
+        elif isinstance(value, str) or (isinstance(value, list) and value is not action.default):
+            try:
+                setattr(namespace, action.dest, _typed(parser, action, value))
+            except argparse.ArgumentError as error:
+                problems.append(str(error))
+    if missing:
+        problems.append("the following arguments are required: " + ", ".join(missing))
+    return namespace, unknown, problems
+
+
+def _typed(parser, action, value):
+    """`value` (a word, or the words of an nargs flag) through the action's type and choices."""
+    words = value if isinstance(value, list) else [value]
+    typed = [parser._get_value(action, word) if isinstance(word, str) else word
+             for word in words]
+    for item in typed:
+        parser._check_value(action, item)
+    return typed if isinstance(value, list) else typed[0]
+
+
+def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
+    """One refusal for the out-of-scope Megatron-LM flags (and --context-parallel-size > 1),
+    one line for the unknown words, each flag with its values and the closest known flags."""
+    given, flag = {}, None
+    for word in unknown:
+        if word.startswith("--"):
+            flag, _, value = word.partition("=")
+            given.setdefault(flag, []).extend([value] if value else [])
+        elif flag is not None:
+            given[flag].append(word)
+        else:  # a stray value, e.g. after a store_true flag
+            given.setdefault(word, [])
+    groups = compat.out_of_scope(given)
+    context_parallel = parallel.context_parallel_refusal(namespace)
+    problems = []
+    if groups or context_parallel:
+        problems.append(compat.refusal(groups, [context_parallel] if context_parallel else []))
+    refused = {name for names in groups.values() for name in names}
+    known = list(parser._option_string_actions)
+    words = [" ".join([word] + values) + _did_you_mean(word, known)
+             for word, values in given.items() if word not in refused]
+    if words:
+        problems.append("unrecognized arguments: " + " ".join(words))
+    return problems
+
+
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(word, known, n=2, cutoff=0.75)
+    return f" (did you mean {' or '.join(close)}?)" if close else ""
 
 
 def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
@@ -47,7 +129,7 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     parallel.add_arguments(parser)
     model.add_arguments(parser, model_flags_required)
     for section in (memory, fusions, training, optimizer, data, logging, checkpoint, compat,
-                    performance, pipeline):
+                    performance):
         section.add_arguments(parser)
     return parser
 
@@ -71,7 +153,7 @@ def parse_args(argv=None, world_size: int = None) -> RunConfig:
     import sys
 
     raw = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(model_flags_required="--use-checkpoint-args" not in raw).parse_args(raw)
+    args = build_parser(model_flags_required="--use-checkpoint-args" not in raw).parse_all(raw)
     if args.use_checkpoint_args:
         apply_checkpoint_args(args, given={word.split("=")[0] for word in raw
                                            if word.startswith("--")})

@@ -79,9 +79,10 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
                "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "add_qkv_bias")
+               "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved")
 # What a checkpoint saved before an arg existed means by its absence (it still loads).
-_MISSING_MEANS = {"add_qkv_bias": False}
+_MISSING_MEANS = {"add_qkv_bias": False, "apply_layernorm_1p": False, "squared_relu": False,
+                  "rotary_interleaved": False}
 # Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")

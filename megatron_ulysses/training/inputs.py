@@ -2,7 +2,7 @@
 sequence-sharded train and validation batches (resumed where the run left them)."""
 
 from ..data.batches import Batches
-from ..data.datasets import build_train_valid_test_datasets, check_data_path
+from ..data.datasets import SPLIT_NAMES, build_train_valid_test_datasets, check_data_path
 from ..data.tokenizers import build_tokenizer_from, check_for_training
 from ..errors import ConfigError
 from .batch_schedule import samples_after
@@ -19,6 +19,9 @@ def check_inputs(config: RunConfig):
         check_for_training(tokenizer, data.tokenizer_type, data.tokenizer_model)
         if data.data_path:
             check_data_path(list(data.data_path), split=data.split)
+        for name, words in zip(SPLIT_NAMES, data.data_path_per_split or ()):
+            if words:
+                check_data_path(words, flag=f"--{name}-data-path")
     except (ValueError, ImportError, OSError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
     return tokenizer
@@ -44,6 +47,8 @@ def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
         data_cache_path=config.data.data_cache_path,
         reset_position_ids=config.data.reset_position_ids,
         eod_mask_loss=config.data.eod_mask_loss,
+        data_path_per_split=config.data.data_path_per_split,
+        mmap_bin_files=not config.data.no_mmap_bin_files,
     )
     mbs = training.micro_batch_size
     train = Batches(train_ds, consumed, mbs, config.data, tokenizer) if train_ds else None

@@ -14,7 +14,7 @@ from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 from .. import parallel_state as ps
 from .. import rng
 from ..processes import guard_rank
-from ..vocab import padded_vocab_size
+from ..vocab import model_vocab_size
 from .batch_schedule import global_batch_size_at
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
@@ -42,8 +42,11 @@ def initialize_distributed(config: RunConfig) -> None:
         set_deterministic_mode()
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
-    instances = config.performance.num_distributed_optimizer_instances
-    ps.initialize_model_parallel(dims=config.dims, num_distributed_optimizer_instances=instances)
+    ps.initialize_model_parallel(
+        dims=config.dims, create_gloo_process_groups=config.model.use_gloo_process_groups,
+        num_distributed_optimizer_instances=config.performance.num_distributed_optimizer_instances)
+    if config.model.te_rng_tracker:
+        rng.use_te_rng_tracker()
     rng.seed_dropout_streams(dropout_base_seed(config.training))  # per SP rank and stage
 
 
@@ -81,8 +84,9 @@ def pretrain(config: RunConfig) -> None:
         lock_save_dir(config.checkpoint.save)  # one live job per --save
     tokenizer = check_inputs(config)
     dims = config.dims
-    config = config.with_padded_vocab_size(padded_vocab_size(
-        tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, dims.tp))
+    config = config.with_padded_vocab_size(model_vocab_size(
+        tokenizer.vocab_size, config.model.padded_vocab_size,
+        config.model.make_vocab_size_divisible_by, dims.tp))
     initialize_distributed(config)
     print_rank_0(f" > world {dims.world_size} = TP {dims.tp} x PP {dims.pp} x DP {dims.dp} x "
                  f"Ulysses SP {dims.sp}; {config.training.num_microbatches} micro batches per "

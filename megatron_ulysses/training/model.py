@@ -9,6 +9,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state as mpu
+from megatron.core.activations import squared_relu
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -53,12 +54,21 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         layernorm_epsilon=model.norm_epsilon,
         qk_layernorm=model.qk_layernorm,
         gated_linear_unit=model.swiglu,
-        activation_func=F.silu if model.swiglu else F.gelu,
+        activation_func=_activation(model),
         add_bias_linear=not model.disable_bias_linear,
         add_qkv_bias=model.add_qkv_bias,
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
         init_method_std=model.init_method_std,
+        **_init_methods(model),
+        layernorm_zero_centered_gamma=model.apply_layernorm_1p,
+        rotary_interleaved=model.rotary_interleaved,
+        test_mode=model.test_mode,
+        use_te_rng_tracker=model.te_rng_tracker,
+        num_layers_in_first_pipeline_stage=model.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=model.decoder_last_pipeline_num_layers,
+        account_for_embedding_in_pipeline_split=model.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=model.account_for_loss_in_pipeline_split,
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         sequence_parallel=model.sequence_parallel,
@@ -66,16 +76,16 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         pipeline_dtype=model.params_dtype,
         bf16=model.bf16,
         fp16=model.fp16,
-        use_cpu_initialization=not cuda,
+        use_cpu_initialization=model.use_cpu_initialization or not cuda,
         calculate_per_token_loss=True,
         recompute_granularity=model.recompute_granularity,
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
         recompute_modules=list(model.recompute_modules or ("core_attn",)),
         # Megatron-LM's default fusions, on GPU: SwiGLU with or without bias, GeLU with bias.
-        bias_activation_fusion=cuda and (not model.no_bias_swiglu_fusion if model.swiglu else
-                                         not model.no_bias_gelu_fusion
-                                         and not model.disable_bias_linear),
+        bias_activation_fusion=cuda and not model.squared_relu and (
+            not model.no_bias_swiglu_fusion if model.swiglu else
+            not model.no_bias_gelu_fusion and not model.disable_bias_linear),
         masked_softmax_fusion=False,  # only megatron-core's local attention has one
         bias_dropout_fusion=cuda and not model.no_bias_dropout_fusion,
         # TE's fused RoPE takes the frequencies `ShardedRotaryEmbedding` computes for the
@@ -93,6 +103,23 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         # megatron-core's GPTModel sets TE's NVTE_{FLASH,FUSED,UNFUSED}_ATTN from it
         attention_backend=AttnBackend[model.attention_backend],
     )
+
+
+def _activation(model: ModelConfig):
+    """The MLP's activation, as Megatron-LM picks it (SwiGLU's gate is silu)."""
+    return F.silu if model.swiglu else squared_relu if model.squared_relu else F.gelu
+
+
+def _init_methods(model: ModelConfig) -> dict:
+    """--init-method-xavier-uniform: every linear weight, output layers included (as
+    Megatron-LM); --use-mup (megatron-core >= 0.19, checked by the config): its fields."""
+    methods = {}
+    if model.init_method_xavier_uniform:
+        methods.update(init_method=torch.nn.init.xavier_uniform_,
+                       output_layer_init_method=torch.nn.init.xavier_uniform_)
+    if model.use_mup:
+        methods.update(use_mup=True, mup_base_hidden_size=model.mup_base_hidden_size)
+    return methods
 
 
 def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,

@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from ...data.datasets import parse_data_path, parse_split
+from ...data.datasets import SPLIT_NAMES, parse_data_path, parse_split, unquote
 from ...data.tokenizers import add_tokenizer_arguments, check_tokenizer_flags
 from ...errors import ConfigError
 from .checks import Context, check_output_dir, check_range, require
@@ -14,7 +14,11 @@ class DataConfig:
     """Data sets, tokenizer and the sequence-sharded loader."""
 
     data_path: Optional[Tuple[str, ...]]
+    train_data_path: Optional[Tuple[str, ...]]
+    valid_data_path: Optional[Tuple[str, ...]]
+    test_data_path: Optional[Tuple[str, ...]]
     split: str
+    no_mmap_bin_files: bool
     mock_data: bool
     data_cache_path: Optional[str]
     num_workers: int
@@ -37,16 +41,31 @@ class DataConfig:
     null_tokenizer_eod_id: Optional[int]
     null_tokenizer_pad_id: int
 
+    @property
+    def data_path_per_split(self):
+        """--train/valid/test-data-path as the dataset builder takes them (None: not given)."""
+        paths = (self.train_data_path, self.valid_data_path, self.test_data_path)
+        return [list(words) if words else None for words in paths] if any(paths) else None
+
 
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data-path", nargs="*", default=None,
                    help="prefix, or weight prefix weight prefix ... for a blend")
-    g.add_argument("--split", type=str, default="969,30,1")
+    for name in SPLIT_NAMES:
+        g.add_argument(f"--{name}-data-path", nargs="*", default=None,
+                       help=f"the {name} split's own data (as --data-path), instead of "
+                       "--data-path and --split")
+    g.add_argument("--split", type=str, default="969,30,1",
+                   help="train,valid,test weights of --data-path's documents (one pair of "
+                   "surrounding quotes is ignored, as Megatron-LM reads only the digits)")
+    g.add_argument("--no-mmap-bin-files", action="store_true",
+                   help="read the .bin files with file reads instead of mmap")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--data-cache-path", type=str, default=None)
     g.add_argument("--num-workers", type=int, default=2)
-    add_tokenizer_arguments(g)
+    add_tokenizer_arguments(g, type_help="default GPT2BPETokenizer (as Megatron-LM's "
+                            "pretrain_gpt.py); NullTokenizer with --mock-data and no --vocab-file")
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
@@ -58,28 +77,39 @@ def check_values(args) -> None:
 
 
 def validate(args, ctx: Context) -> None:
-    """--mock-data or --data-path (whose .bin/.idx files must exist), --split, the tokenizer."""
+    """One data source: --mock-data, --data-path or --train/valid/test-data-path (whose
+    .bin/.idx files must exist); --split; the tokenizer (Megatron-LM's pretrain_gpt.py default
+    GPT2BPETokenizer, except for mock data without --vocab-file: NullTokenizer)."""
+    args.split = unquote(args.split)
     try:
         parse_split(args.split)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    if args.mock_data:
-        require(not args.data_path, "give --data-path or --mock-data, not both")
-        if args.tokenizer_type is None:
-            args.tokenizer_type = "NullTokenizer"
-    else:
-        require(bool(args.data_path), "give --data-path PREFIX (tools/preprocess_data.py "
-                "writes one) or --mock-data")
-        require(args.tokenizer_type is not None, "--data-path needs --tokenizer-type")
-        try:  # the files' contents are checked by pretrain_gpt.py (check_data_path)
-            parse_data_path(args.data_path)
-        except (ValueError, OSError) as error:
-            raise ConfigError(str(error)) from None
-    if args.data_path is not None:
-        args.data_path = tuple(args.data_path)
+    per_split = {name: getattr(args, f"{name}_data_path") for name in SPLIT_NAMES}
+    sources = [flag for flag, given in (("--mock-data", args.mock_data),
+                                        ("--data-path", bool(args.data_path)),
+                                        ("--train/valid/test-data-path", any(per_split.values())))
+               if given]
+    require(len(sources) == 1, "give one data source: --data-path PREFIX (tools/"
+            "preprocess_data.py writes one), --train-data-path/--valid-data-path/--test-data-"
+            "path, or --mock-data" + (f"; not both {' and '.join(sources)}" if sources else ""))
+    if args.tokenizer_type is None:
+        args.tokenizer_type = ("NullTokenizer" if args.mock_data and args.vocab_file is None
+                               else "GPT2BPETokenizer")
+    try:  # the files' contents are checked by pretrain_gpt.py (check_data_path)
+        for flag, words in [("--data-path", args.data_path)] + [
+                (f"--{name}-data-path", words) for name, words in per_split.items()]:
+            if words:
+                parse_data_path(words, flag)
+                setattr(args, flag[2:].replace("-", "_"), tuple(words))
+    except (ValueError, OSError) as error:
+        raise ConfigError(str(error)) from None
     if args.tokenizer_type == "NullTokenizer":
         require(args.vocab_size is not None and args.vocab_size > 0,
                 "--tokenizer-type NullTokenizer (the --mock-data default) needs --vocab-size")
+    if args.tiktoken_pattern is not None and args.tokenizer_type != "TikTokenizer":
+        ctx.warnings.append(f"--tiktoken-pattern {args.tiktoken_pattern} is ignored: only "
+                            f"TikTokenizer reads it, not {args.tokenizer_type} (as in Megatron-LM)")
     try:
         check_tokenizer_flags(args)
     except ValueError as error:

@@ -35,6 +35,8 @@ def add_arguments(parser) -> None:
                    help="Keep full-recompute checkpoints in CPU memory "
                    "(needs --recompute-granularity full).")
     g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    g.add_argument("--recompute-activations", action="store_true",
+                   help="= --recompute-granularity selective (Megatron-LM's older flag)")
     g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     g.add_argument("--recompute-num-layers", type=int, default=None)
     g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
@@ -48,6 +50,11 @@ def check_values(args) -> None:
 
 def validate(args, ctx: Context) -> None:
     """Runs after `model.validate` (it settles --sequence-parallel)."""
+    if args.recompute_activations:
+        require(args.recompute_granularity in (None, "selective"),
+                f"--recompute-activations is --recompute-granularity selective, not "
+                f"{args.recompute_granularity}; give one of the two")
+        args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
         _check_full_recompute(args, ctx.dims.pp)
     else:

@@ -12,10 +12,11 @@ from ...errors import ConfigError, flag_name
 from .checks import Context, check_positive, check_range, number, require
 from .fusions import FusionFields
 from .memory import MemoryFields
+from .parallel import PipelineFields
 
 
 @dataclass(frozen=True)
-class ModelConfig(MemoryFields, FusionFields):
+class ModelConfig(MemoryFields, FusionFields, PipelineFields):
     """The model's shape, numerics and memory features (what the GPTModel build reads)."""
 
     num_layers: int
@@ -50,7 +51,17 @@ class ModelConfig(MemoryFields, FusionFields):
     transformer_impl: str  # the layer spec: "transformer_engine" or "local"
     attention_backend: str  # Megatron-LM's: TE's kernel family (auto, flash, fused, unfused) or local
     deterministic_mode: bool
-    padded_vocab_size: Optional[int] = None  # set from the tokenizer by `pretrain`
+    apply_layernorm_1p: bool  # megatron-core's layernorm_zero_centered_gamma
+    squared_relu: bool
+    rotary_interleaved: bool
+    init_method_xavier_uniform: bool
+    use_mup: bool
+    mup_base_hidden_size: Optional[int]
+    test_mode: bool
+    te_rng_tracker: bool
+    use_cpu_initialization: bool
+    # --padded-vocab-size, or from the tokenizer by `pretrain` (`vocab.model_vocab_size`)
+    padded_vocab_size: Optional[int] = None
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -69,6 +80,19 @@ def add_arguments(parser, model_flags_required: bool = True) -> None:
                    help="bitwise run-to-run and resume reproducibility on GPU: deterministic "
                    "TE attention (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0), deterministic torch and "
                    "cuBLAS kernels, megatron-core's deterministic embedding backward; slower")
+    g.add_argument("--te-rng-tracker", action="store_true",
+                   help="Transformer Engine's CUDA RNG tracker (megatron-core's "
+                   "te_rng_tracker); GPU with --transformer-impl transformer_engine only")
+    g.add_argument("--use-cpu-initialization", action="store_true",
+                   help="initialise the weights on the CPU, then move them (megatron-core's "
+                   "use_cpu_initialization; CPU runs always do)")
+    g.add_argument("--test-mode", action="store_true",
+                   help="megatron-core's test_mode: extra self-checks in its layers")
+    g.add_argument("--use-mup", action="store_true",
+                   help="Maximal Update Parametrization (megatron-core >= 0.19's): init and "
+                   "learning rates scaled by --hidden-size / --mup-base-hidden-size")
+    g.add_argument("--mup-base-hidden-size", type=int, default=None,
+                   help="the base width of --use-mup (default --hidden-size)")
 
 
 def _add_layer_arguments(g) -> None:
@@ -114,6 +138,14 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--squared-relu", action="store_true",
+                   help="the MLP's activation is relu(x)^2 (not with --swiglu)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="norms keep gamma - 1: weights start at 0 and scale by 1 + w "
+                   "(megatron-core's layernorm_zero_centered_gamma), LayerNorm and RMSNorm")
+    g.add_argument("--rotary-interleaved", action="store_true",
+                   help="RoPE rotates (even, odd) pairs (GPT-J) instead of halves; not with "
+                   "TE's fused RoPE (add --no-rope-fusion on GPU)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--add-qkv-bias", action="store_true",
@@ -122,7 +154,14 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--init-method-xavier-uniform", action="store_true",
+                   help="initialise the linear weights with xavier_uniform_ (not "
+                   "--init-method-std's normal)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--padded-vocab-size", type=int, default=None,
+                   help="the model's vocabulary rows as given (>= the tokenizer's, divisible "
+                   "by TP); default: the tokenizer's rounded up to --make-vocab-size-"
+                   "divisible-by x TP")
 
 
 def check_values(args) -> None:
@@ -131,6 +170,8 @@ def check_values(args) -> None:
     for name in ("ffn_hidden_size", "kv_channels", "max_position_embeddings"):
         check_range(args, name, low=0, low_open=True, optional=True)
     check_range(args, "make_vocab_size_divisible_by", low=1)
+    check_range(args, "padded_vocab_size", low=1, optional=True)
+    check_range(args, "mup_base_hidden_size", low=1, optional=True)
     for name in ("attention_dropout", "hidden_dropout"):
         check_range(args, name, low=0, high=1, high_open=True)
     check_range(args, "rotary_base", low=0, low_open=True)
@@ -150,7 +191,38 @@ def validate(args, ctx: Context) -> None:
     require(ctx.cuda or not (args.bf16 or args.fp16),
             "--bf16/--fp16 need CUDA (megatron-core's mixed-precision optimizer); "
             "CPU runs are fp32: drop the flag")
-    _check_rope(args)
+    _check_rope(args, ctx.cuda)
+    _check_model_options(args, ctx)
+
+
+def _check_model_options(args, ctx: Context) -> None:
+    """Megatron-LM's rules for the activation, vocab padding, MuP and TE's RNG tracker."""
+    require(not (args.squared_relu and args.swiglu), "--squared-relu and --swiglu are "
+            "exclusive (each is the MLP's activation); give one")
+    require(args.padded_vocab_size is None or args.padded_vocab_size % ctx.dims.tp == 0,
+            f"--padded-vocab-size ({args.padded_vocab_size}) must be divisible by "
+            f"--tensor-model-parallel-size ({ctx.dims.tp})")
+    require(args.mup_base_hidden_size is None or args.use_mup,
+            "--mup-base-hidden-size needs --use-mup")
+    if args.use_mup:
+        require(mup_supported(), "--use-mup needs megatron-core >= 0.19 (its MuP init and "
+                f"optimizer groups); this is megatron-core {megatron_core_version()}")
+    require(not args.te_rng_tracker or (ctx.cuda and args.transformer_impl ==
+                                         "transformer_engine"),
+            "--te-rng-tracker is Transformer Engine's CUDA RNG tracker: it needs CUDA and "
+            "--transformer-impl transformer_engine; drop it on CPU")
+
+
+def megatron_core_version() -> str:
+    from megatron.core import package_info
+
+    return package_info.__version__
+
+
+def mup_supported() -> bool:
+    from megatron.core.transformer import TransformerConfig
+
+    return "use_mup" in TransformerConfig.__dataclass_fields__
 
 
 def _fill_shape(args, dims) -> None:
@@ -177,9 +249,6 @@ def _fill_shape(args, dims) -> None:
                 f"--max-position-embeddings ({args.max_position_embeddings}) must be >= "
                 f"--seq-length ({args.seq_length}) padded to a multiple of --ulysses-sp-size "
                 f"({dims.sp}), {padded_length}, with learned absolute positions")
-    require(args.num_layers % dims.pp == 0,
-            f"--num-layers ({args.num_layers}) must be divisible by "
-            f"--pipeline-model-parallel-size ({dims.pp})")
     if dims.tp == 1:
         args.sequence_parallel = False  # as Megatron-LM: nothing to split at TP = 1
     try:  # the loader pads s to a multiple of P; TP's sequence parallelism needs s/P % TP == 0
@@ -220,9 +289,14 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
                                           else "sdpa")
 
 
-def _check_rope(args) -> None:
+def _check_rope(args, cuda: bool) -> None:
+    # megatron-core's TransformerConfig refuses interleaved RoPE with TE's fused kernel.
+    require(not (args.rotary_interleaved and cuda and te_available() and not args.no_rope_fusion
+                 and args.position_embedding_type == "rope"),
+            "--rotary-interleaved does not work with TE's fused RoPE: add --no-rope-fusion")
     if args.position_embedding_type != "rope":
-        for name in ("use_rope_scaling", "rotary_seq_len_interpolation_factor"):
+        for name in ("use_rope_scaling", "rotary_seq_len_interpolation_factor",
+                     "rotary_interleaved"):
             require(getattr(args, name) in (False, None),
                     f"{flag_name(name)} needs --position-embedding-type rope")
         return

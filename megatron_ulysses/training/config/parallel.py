@@ -1,11 +1,37 @@
 """The parallelism section: Ulysses SP, TP and PP sizes -> the run's `ParallelDims` (the
-`RunConfig.dims`; the flags that tune one parallelism's work live with what they tune:
---sequence-parallel in `model`, the distributed optimizer in `optimizer`, the process group's
-backend in `training`)."""
+`RunConfig.dims`), the pipeline layout (`PipelineFields`, which the model section takes in), and
+Megatron-LM's context-parallel flags, accepted at CP 1 only: Ulysses SP splits the sequence
+here. The flags that tune one parallelism's work live with what they tune: --sequence-parallel in
+`model`, the distributed optimizer in `optimizer`, the process group's backend in `training`."""
 
-from ...errors import ConfigError
-from ...parallel_state import ParallelDims
-from .checks import Context, require
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from ...errors import ConfigError, flag_name
+from ...parallel_state import TP_PP_DP_ORDER, ParallelDims
+from .checks import Context, check_range, require
+
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
+# GPU-only (PP > 1) pipeline flags whose values megatron-core's TransformerConfig takes as is.
+# (--account-for-*-in-pipeline-split change nothing at PP 1, as in Megatron-LM.)
+_PIPELINE_ONLY = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                  "num_layers_per_virtual_pipeline_stage",
+                  "num_virtual_stages_per_pipeline_rank",
+                  "microbatch_group_size_per_virtual_pipeline_stage",
+                  "overlap_p2p_communication_warmup_flush")
+
+
+@dataclass(frozen=True)
+class PipelineFields:
+    """`ModelConfig`'s pipeline layout (megatron-core's TransformerConfig fields; PP > 1)."""
+
+    decoder_first_pipeline_num_layers: Optional[int]
+    decoder_last_pipeline_num_layers: Optional[int]
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
+    use_gloo_process_groups: bool
+    use_tp_pp_dp_mapping: bool
 
 
 def add_arguments(parser) -> None:
@@ -16,18 +42,129 @@ def add_arguments(parser) -> None:
                    "heads, so P may be up to --num-attention-heads / TP.")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1,
+                   help="Megatron-LM's context parallelism: only 1 here; Ulysses SP "
+                   "(--ulysses-sp-size) splits the sequence instead")
+    g.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
+                   help="context parallelism's exchange; no effect at --context-parallel-size 1")
+    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
+                   help="their product must be --context-parallel-size (1 here)")
+    g.add_argument("--disable-gloo-process-groups", action="store_false",
+                   dest="use_gloo_process_groups",
+                   help="create no extra gloo groups in megatron-core's parallel state")
+    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
+                   help="rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp; Ulysses SP "
+                   "groups stay blocks of consecutive data-parallel ranks")
+    _add_pipeline_arguments(g)
+
+
+def _add_pipeline_arguments(g) -> None:
+    """Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1, which
+    needs CUDA here."""
+    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
+                 "--num-layers-per-virtual-pipeline-stage",
+                 "--num-virtual-stages-per-pipeline-rank"):
+        g.add_argument(flag, type=int, default=None)
+    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None)
+    for flag in ("--account-for-embedding-in-pipeline-split",
+                 "--account-for-loss-in-pipeline-split"):
+        g.add_argument(flag, action="store_true")
+    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true")
 
 
 def parallel_dims(args, world_size: int) -> ParallelDims:
     """The sizes must be >= 1 and their product divide `world_size`, the number of processes."""
     try:
+        order = {"order": TP_PP_DP_ORDER} if args.use_tp_pp_dp_mapping else {}
         return ParallelDims(world_size=world_size, tp=args.tensor_model_parallel_size,
-                            pp=args.pipeline_model_parallel_size, sp=args.ulysses_sp_size)
+                            pp=args.pipeline_model_parallel_size, sp=args.ulysses_sp_size,
+                            **order)
     except ValueError as error:
         raise ConfigError(str(error)) from None
 
 
+def context_parallel_refusal(args) -> Optional[str]:
+    """Why Megatron-LM's context-parallel flags cannot run as given (None: they are CP 1's)."""
+    cp = getattr(args, "context_parallel_size", 1)
+    sizes = getattr(args, "hierarchical_context_parallel_sizes", None)
+    if not isinstance(cp, int) or (sizes is not None and not all(
+            isinstance(size, int) for size in sizes)):
+        return None  # a bad value: reported by the parser
+    with_it = ""
+    if sizes is not None:
+        with_it = (f" (--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} "
+                   "splits that context parallelism)")
+    if cp > 1:
+        a2a = ("; --cp-comm-type a2a is the same all-to-all idea" if any(
+            "a2a" in kind for kind in args.cp_comm_type) else "")
+        return (f"--context-parallel-size {cp}{with_it}: megatron-core's context parallelism "
+                f"is not used here; Ulysses sequence parallelism splits the sequence: use "
+                f"--ulysses-sp-size {cp}{a2a}")
+    if cp < 1:
+        return f"--context-parallel-size must be 1, got {cp}; use --ulysses-sp-size"
+    if sizes is not None and math.prod(sizes) != 1:
+        return (f"--hierarchical-context-parallel-sizes {' '.join(map(str, sizes))} must "
+                "multiply to --context-parallel-size (1); for context parallelism use "
+                "--ulysses-sp-size")
+    if "a2a+p2p" in args.cp_comm_type and sizes is None:
+        return ("--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes (as in "
+                "Megatron-LM); at --context-parallel-size 1 drop --cp-comm-type")
+    return None
+
+
 def validate(args, ctx: Context) -> None:
+    require(context_parallel_refusal(args) is None, str(context_parallel_refusal(args)))
     require(ctx.cuda or ctx.dims.pp == 1,
             f"--pipeline-model-parallel-size {ctx.dims.pp} needs CUDA (megatron-core's "
             "pipeline schedules); use 1 on CPU")
+    if ctx.dims.pp == 1:
+        given = [flag_name(name) for name in _PIPELINE_ONLY if getattr(args, name)]
+        require(not given, f"{', '.join(given)} need --pipeline-model-parallel-size > 1 (as in "
+                "Megatron-LM); drop them at pipeline size 1")
+        return
+    _check_pipeline_layout(args, ctx.dims.pp)
+
+
+def _check_pipeline_layout(args, pp: int) -> None:
+    """Megatron-LM's rules for uneven stages and the virtual pipeline."""
+    for name in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
+                 "num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                 "microbatch_group_size_per_virtual_pipeline_stage"):
+        check_range(args, name, low=1, optional=True)
+    per_stage, vpp = args.num_layers_per_virtual_pipeline_stage, \
+        args.num_virtual_stages_per_pipeline_rank
+    require(per_stage is None or vpp is None, "--num-layers-per-virtual-pipeline-stage and "
+            "--num-virtual-stages-per-pipeline-rank are exclusive; give one")
+    uneven = {name: getattr(args, name) for name in ("decoder_first_pipeline_num_layers",
+                                                     "decoder_last_pipeline_num_layers")
+              if getattr(args, name) is not None}
+    accounted = args.account_for_embedding_in_pipeline_split + \
+        args.account_for_loss_in_pipeline_split
+    require(not (uneven and accounted), "--decoder-first/last-pipeline-num-layers and "
+            "--account-for-embedding/loss-in-pipeline-split are exclusive (megatron-core's rule)")
+    require(per_stage is None or not uneven, "uneven pipeline stages (--decoder-first/last-"
+            "pipeline-num-layers) with a virtual pipeline need --num-virtual-stages-per-"
+            "pipeline-rank, not --num-layers-per-virtual-pipeline-stage")
+    layers = args.num_layers + accounted
+    if uneven:
+        rest, middle = layers - sum(uneven.values()), pp - len(uneven)
+        given = " and ".join(f"{flag_name(name)} {value}" for name, value in uneven.items())
+        require(rest == 0 if middle == 0 else rest >= middle and rest % middle == 0,
+                f"--num-layers {args.num_layers} minus {given} leaves {rest} layers for the "
+                f"other {middle} pipeline stages: they must split evenly, at least one each")
+    else:
+        require(layers % pp == 0, f"--num-layers ({args.num_layers}, plus the embedding / loss "
+                f"counted as layers) must be divisible by --pipeline-model-parallel-size ({pp})")
+        require(per_stage is None or (layers // pp) % per_stage == 0,
+                f"the layers per pipeline stage ({layers // pp}) must be divisible by "
+                f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
+        if per_stage is not None:
+            vpp = layers // pp // per_stage
+    require(vpp is None or vpp == 1, f"a virtual pipeline ({vpp} stages per rank) needs the "
+            "interleaved schedule's model chunks, which this package does not build yet; drop "
+            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
+    require(not (args.microbatch_group_size_per_virtual_pipeline_stage
+                 or args.overlap_p2p_communication_warmup_flush),
+            "--microbatch-group-size-per-virtual-pipeline-stage and --overlap-p2p-"
+            "communication-warmup-flush need a virtual pipeline")
+

@@ -49,8 +49,18 @@ def validate(args, ctx: Context) -> None:
 
 
 def _check_splits_against_run(args, ctx: Context) -> None:
-    """--split's train and valid weights against --skip-train and --eval-iters."""
+    """--split's train and valid weights (or the --train/valid-data-path given) against
+    --skip-train and --eval-iters."""
     if args.mock_data:
+        return
+    if not args.data_path:  # per-split data: --split is not used, as in Megatron-LM
+        require(args.train_data_path or args.skip_train, "--valid/--test-data-path without "
+                "--train-data-path leave nothing to train on; add --train-data-path")
+        require(args.valid_data_path or not args.skip_train, "--skip-train evaluates the "
+                "valid split: it needs --valid-data-path")
+        if not args.valid_data_path and args.eval_iters > 0:
+            ctx.warnings.append(f"no --valid-data-path: no evaluation runs (--eval-iters "
+                                f"{args.eval_iters} is ignored)")
         return
     split = parse_split(args.split)
     require(split[0] > 0 or args.skip_train, f"--split {args.split} gives the train split weight "

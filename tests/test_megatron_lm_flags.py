@@ -1,0 +1,262 @@
+"""Megatron-LM flags of the parser, parallelism, model and data sections (issue 23): each does
+what Megatron-LM's does (checked on the config or the built piece), or is refused by name."""
+
+import contextlib
+import io
+
+import pytest
+import torch
+from megatron.core.activations import squared_relu
+
+from distributed import spawn
+from megatron_ulysses import cpu_compat, rng
+from megatron_ulysses import parallel_state as ps
+from megatron_ulysses.data.datasets import build_train_valid_test_datasets
+from megatron_ulysses.data.tokenizers import build_tokenizer
+from megatron_ulysses.layer_specs import ZeroCenteredNorm
+from megatron_ulysses.training import model as model_builders
+from megatron_ulysses.training.arguments import ConfigError, parse_args
+from megatron_ulysses.training.config.compat import OUT_OF_SCOPE
+from megatron_ulysses.vocab import model_vocab_size
+
+DATA_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+            "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters",
+            "2", "--num-workers", "0", "--eval-iters", "0"]
+BASE = DATA_RUN + ["--mock-data", "--vocab-size", "64"]
+
+
+def problem(argv, world_size=1) -> str:
+    """The one message parsing `argv` stops with ('' if it does not); exit status 2."""
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            parse_args(argv, world_size=world_size)
+    except ConfigError as error:
+        return str(error)
+    except SystemExit as exit_:
+        assert exit_.code == 2
+        return stderr.getvalue()
+    return ""
+
+
+def test_one_problem_keeps_argparse_wording_and_suggests_the_flag():
+    said = problem(BASE + ["--hidden-sise", "64"])
+    assert said.count("\n") == 1 and "error: unrecognized arguments: --hidden-sise 64 " \
+        "(did you mean --hidden-size" in said, said
+    said = problem(BASE + ["--lr-decay-style", "cosin"])
+    assert said.count("\n") == 1 and "invalid choice: 'cosin'" in said, said
+
+
+def test_missing_required_flags_come_with_the_other_problems():
+    said = problem(["--hidden-size", "x", "--lr", "1e-3", "--train-iters", "2", "--mock-data"])
+    assert "2 problems" in said and "invalid int value: 'x'" in said, said
+    assert "required: --num-layers, --num-attention-heads, --seq-length" in said, said
+
+
+@pytest.mark.parametrize("group, _, prefixes, names", OUT_OF_SCOPE,
+                         ids=[group[0] for group in OUT_OF_SCOPE])
+def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, names):
+    flags = [prefix + "x" for prefix in prefixes if prefix.endswith("-")] + list(names)[:2]
+    said = problem(BASE + [word for flag in flags for word in (flag, "1")])
+    assert said.count("\n") == 1 and "unrecognized" not in said, said
+    assert f"{group} (" in said and all(flag in said for flag in flags), said
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--context-parallel-size", "4", "--cp-comm-type", "a2a"],
+     ["--context-parallel-size 4", "--ulysses-sp-size 4", "a2a"]),
+    (["--hierarchical-context-parallel-sizes", "2", "2"],
+     ["--hierarchical-context-parallel-sizes 2 2", "multiply to --context-parallel-size (1)"]),
+    (["--cp-comm-type", "a2a+p2p"], ["--hierarchical-context-parallel-sizes"]),
+    (["--cp-comm-type", "ring"], ["--cp-comm-type", "invalid choice: 'ring'"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"],
+     ["--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-size > 1"]),
+    (["--num-distributed-optimizer-instances", "2"],
+     ["--num-distributed-optimizer-instances", "CUDA"]),
+    (["--squared-relu", "--swiglu"], ["--squared-relu and --swiglu"]),
+    (["--mup-base-hidden-size", "32"], ["--mup-base-hidden-size needs --use-mup"]),
+    (["--recompute-activations", "--recompute-granularity", "full",
+      "--recompute-method", "block"], ["--recompute-activations", "full"]),
+    (["--te-rng-tracker"], ["--te-rng-tracker", "CUDA"]),
+    (["--rotary-interleaved"], ["--rotary-interleaved needs --position-embedding-type rope"]),
+    (["--padded-vocab-size", "0"], ["--padded-vocab-size must be >= 1"]),
+])
+def test_bad_combinations_are_one_message_naming_the_flag(argv, words):
+    said = problem(BASE + argv)
+    for word in words:
+        assert word in said, said
+
+
+def test_context_parallel_1_flags_are_accepted():
+    config = parse_args(BASE + ["--context-parallel-size", "1", "--cp-comm-type", "p2p",
+                                "--hierarchical-context-parallel-sizes", "1",
+                                "--disable-gloo-process-groups", "--use-tp-pp-dp-mapping"],
+                        world_size=1)
+    assert not config.model.use_gloo_process_groups
+    assert config.dims.order == ps.TP_PP_DP_ORDER
+
+
+def test_tp_pp_dp_mapping_keeps_sp_groups_consecutive_and_dp_across_stages():
+    dims = ps.ParallelDims(world_size=8, tp=1, pp=2, sp=2, order=ps.TP_PP_DP_ORDER)
+    assert dims.rank_groups("sp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # pipeline stages: ranks {0, 1, 4, 5} and {2, 3, 6, 7}; DP pairs the outer blocks
+    assert dims.rank_groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_model_flags_reach_megatron_cores_config():
+    config = parse_args(BASE + ["--squared-relu", "--apply-layernorm-1p",
+                                "--init-method-xavier-uniform", "--test-mode",
+                                "--position-embedding-type", "rope", "--rotary-interleaved",
+                                "--recompute-activations", "--apply-query-key-layer-scaling",
+                                "--no-persist-layer-norm", "--use-cpu-initialization"],
+                        world_size=1)
+    mcore = model_builders.transformer_config(config.model, config.dims)
+    assert mcore.activation_func is squared_relu and not mcore.bias_activation_fusion
+    assert mcore.layernorm_zero_centered_gamma and mcore.rotary_interleaved and mcore.test_mode
+    assert mcore.init_method is torch.nn.init.xavier_uniform_
+    assert mcore.output_layer_init_method is torch.nn.init.xavier_uniform_
+    assert mcore.recompute_granularity == "selective"
+    # on GPU the weights are made on the GPU unless --use-cpu-initialization (CPU: always)
+    assert model_builders.transformer_config_kwargs(config.model, config.dims, True)[
+        "use_cpu_initialization"]
+    default = parse_args(BASE, world_size=1)
+    assert not model_builders.transformer_config_kwargs(default.model, default.dims, True)[
+        "use_cpu_initialization"]
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_zero_centered_norm_starts_as_the_plain_norm_and_scales_by_one_plus_w(rms):
+    torch.manual_seed(0)
+    x = torch.randn(5, 2, 16)
+    norm = ZeroCenteredNorm(16, 1e-5, rms=rms)
+    plain = torch.nn.RMSNorm(16, eps=1e-5) if rms else torch.nn.LayerNorm(16, eps=1e-5)
+    assert torch.equal(norm.weight, torch.zeros(16))
+    torch.testing.assert_close(norm(x), plain(x))
+    with torch.no_grad():
+        norm.weight.normal_()
+        plain.weight.copy_(1 + norm.weight)
+    torch.testing.assert_close(norm(x), plain(x))
+
+
+def _build_layernorm_1p_model(rank, world_size):
+    config = parse_args(BASE + ["--apply-layernorm-1p", "--qk-layernorm", "--squared-relu",
+                                "--normalization", "RMSNorm"], world_size=1)
+    cpu_compat.install()
+    ps.initialize_model_parallel(dims=config.dims)
+    rng.seed_dropout_streams(1)
+    try:
+        config = config.with_padded_vocab_size(128)
+        mcore = model_builders.transformer_config(config.model, config.dims)
+        model = model_builders.build_model(config.model, config.optimizer, 1, mcore)
+        norms = {name: p for name, p in model.named_parameters() if "norm" in name}
+        # input / pre-MLP / q / k norms of 2 layers and the final norm: gamma - 1 = 0
+        assert len(norms) == 2 * 4 + 1, sorted(norms)
+        assert all(torch.equal(p, torch.zeros_like(p)) for p in norms.values())
+        logits = model(torch.randint(0, 64, (1, 32)), torch.arange(32)[None], None)
+        assert torch.isfinite(logits).all()
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_layernorm_1p_builds_zero_centered_norms_in_the_local_spec():
+    spawn(_build_layernorm_1p_model, 1)
+
+
+def test_padded_vocab_size_is_taken_as_given():
+    assert model_vocab_size(50257, None, 128, 2) == 50432
+    assert model_vocab_size(256, 320, 128, 1) == 320
+    with pytest.raises(ConfigError, match="--padded-vocab-size"):
+        model_vocab_size(256, 200, 128, 1)
+    assert "divisible by --tensor-model-parallel-size" in problem(
+        BASE + ["--padded-vocab-size", "321", "--tensor-model-parallel-size", "2"], world_size=2)
+
+
+def test_use_mup_names_the_megatron_core_version_it_needs():
+    from megatron.core import package_info
+
+    said = problem(BASE + ["--use-mup"])
+    if "use_mup" in model_builders.TransformerConfig.__dataclass_fields__:
+        assert said == ""
+    else:
+        assert "--use-mup needs megatron-core >= 0.19" in said and package_info.__version__ in said
+
+
+def test_split_in_literal_quotes_and_the_default_tokenizer(corpus_prefix, sp_model):
+    # Megatron-LM's pretrain_gpt.py default type: GPT2BPETokenizer, which needs its files.
+    said = problem(DATA_RUN + ["--data-path", corpus_prefix, "--split", "'99,1,0'"])
+    assert "--vocab-file" in said and "GPT2BPETokenizer" in said and "--split" not in said, said
+    config = parse_args(DATA_RUN + ["--data-path", corpus_prefix, "--split", "'99,1,0'",
+                                    "--tokenizer-type", "GPTSentencePieceTokenizer",
+                                    "--tokenizer-model", sp_model], world_size=1)
+    assert config.data.split == "99,1,0"
+    assert parse_args(BASE, world_size=1).data.tokenizer_type == "NullTokenizer"
+
+
+def test_per_split_data_paths_and_no_mmap(corpus_prefix, sp_model, tmp_path):
+    argv = DATA_RUN + ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                       sp_model, "--no-mmap-bin-files"]
+    assert "one data source" in problem(argv + ["--data-path", corpus_prefix,
+                                                "--train-data-path", corpus_prefix])
+    assert "--valid-data-path" in problem(argv + ["--train-data-path", "/nonexistent/x"]) or \
+        "--train-data-path" in problem(argv + ["--train-data-path", "/nonexistent/x"])
+    config = parse_args(argv + ["--train-data-path", corpus_prefix, "--valid-data-path",
+                                corpus_prefix], world_size=1)
+    assert config.data.data_path_per_split == [[corpus_prefix], [corpus_prefix], None]
+    train, valid, test = build_train_valid_test_datasets(
+        build_tokenizer("GPTSentencePieceTokenizer", sp_model), 32, [8, 4, None],
+        data_path_per_split=config.data.data_path_per_split, data_cache_path=str(tmp_path),
+        mmap_bin_files=not config.data.no_mmap_bin_files)
+    assert test is None and len(train) >= 8 and len(valid) >= 4
+    # the whole corpus in each split (no --split), read without mmap
+    assert len(train.indices) == len(valid.indices) == len(train.dataset)
+    assert not train.dataset.mmap
+    assert torch.equal(torch.as_tensor(train[0]["tokens"]), torch.as_tensor(valid[0]["tokens"]))
+
+
+@pytest.mark.parametrize("flag, words", [
+    ("--train-iters", ["samples", "dataset index"]),
+    ("--seq-length", ["--max-position-embeddings", "weights"]),
+    ("--hidden-size", ["--hidden-size 1000000000000", "weights"]),
+])
+def test_sizes_no_machine_holds_are_one_message(flag, words):
+    argv = list(BASE)
+    argv[argv.index(flag) + 1] = str(10**12)
+    said = problem(argv)
+    assert "more than any machine has" in said and all(word in said for word in words), said
+    rope = problem(argv + ["--position-embedding-type", "rope"])
+    assert "more than any machine has" in rope, rope
+
+
+def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
+    assert problem(["--num-layers", "80", "--hidden-size", "8192", "--num-attention-heads", "64",
+                    "--group-query-attention", "--num-query-groups", "8",
+                    "--ffn-hidden-size", "28672", "--seq-length", str(2**20),
+                    "--position-embedding-type", "rope", "--micro-batch-size", "1",
+                    "--lr", "1e-3", "--train-iters", "100000", "--mock-data",
+                    "--vocab-size", "128256", "--ulysses-sp-size", "64"], world_size=64) == ""
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--decoder-first-pipeline-num-layers", "1"], None),  # 1 + 3 layers
+    (["--account-for-embedding-in-pipeline-split", "--num-layers", "3"], None),  # 1 + 3 "layers"
+    (["--decoder-last-pipeline-num-layers", "4"], "leaves 0 layers for the other 1"),
+    (["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
+     "are exclusive"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], "does not build yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "3"], "must be divisible by"),
+])
+def test_pipeline_layout_flags_follow_megatron_lms_rules_on_gpu(argv, message):
+    from megatron_ulysses.training.arguments import build_parser, validate_args
+
+    args = build_parser().parse_args(BASE + ["--num-layers", "4",
+                                             "--pipeline-model-parallel-size", "2"] + argv)
+    if message is None:
+        config = validate_args(args, world_size=2, cuda=True)
+        mcore = model_builders.transformer_config_kwargs(config.model, config.dims, True)
+        assert mcore["num_layers_in_first_pipeline_stage"] == \
+            args.decoder_first_pipeline_num_layers
+        assert mcore["account_for_embedding_in_pipeline_split"] == \
+            args.account_for_embedding_in_pipeline_split
+        return
+    with pytest.raises(ConfigError, match=message):
+        validate_args(args, world_size=2, cuda=True)
