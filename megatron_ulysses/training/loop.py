@@ -16,7 +16,7 @@ from .checkpointing import carried_common_state, load_checkpoint, save_checkpoin
 from .config import RunConfig
 from .exits import ExitRequest
 from .inputs import build_batches, check_inputs
-from .logging import TrainingLogger, print_rank_0
+from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
 from .model import build_model, build_model_and_optimizer, transformer_config
 from .schedule import NonFiniteError, evaluate, train_step
 
@@ -59,6 +59,7 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
+    set_logging_level(config.logging.logging_level)
     tokenizer = check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(padded_vocab_size(
@@ -93,22 +94,31 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     train_batches, valid_batches = batches
     training, checkpoint = config.training, config.checkpoint
     local_seq = config.dims.local_seq_length(config.model.seq_length)
-    logger = TrainingLogger(config, config.dims.world_size)
+    logger = TrainingLogger(config, config.dims.world_size, model)
+    progress = config.logging.log_progress and checkpoint.save
+    if progress:
+        append_progress(checkpoint.save, "Starting job")
+    job_start = consumed
 
     def save():
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
                             consumed, extra_common)
+        if progress:
+            append_progress(checkpoint.save, _progress_line(config, logger, iteration, consumed,
+                                                            job_start))
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     while iteration < training.train_iters:
-        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq)
+        loss, grad_norm, ok, num_zeros = _step(config, iteration, train_batches, built,
+                                               local_seq)
         iteration += 1
         consumed += training.global_batch_size
         saved = False
         logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, optimizer.get_loss_scale(), skipped=not ok)
+                             grad_norm, optimizer.get_loss_scale(), skipped=not ok,
+                             num_zeros=num_zeros)
         if valid_batches is not None and iteration % training.eval_interval == 0:
             with logger.paused():
                 logger.log_validation(iteration, evaluate(valid_batches, model, training,
@@ -129,8 +139,19 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     logger.close()
 
 
+def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
+                   job_start: int) -> str:
+    """progress.txt's line after a save (Megatron-LM's, without its cumulative throughput over
+    earlier jobs)."""
+    flops = logger.flops_per_sample * consumed
+    return (f"Saved checkpoint\tIteration: {iteration}\t"
+            f"Job throughput: {logger.job_throughput(consumed - job_start):.1f} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops:.2e}\t"
+            f"Tokens (in billions): {consumed * config.model.seq_length / 10**9:.2f}")
+
+
 def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int):
-    """One optimizer step -> (loss, grad norm, applied); a NaN / Inf stops the run with what to
+    """One optimizer step -> (loss, grad norm, applied, zero gradients); a NaN / Inf stops the run with what to
     resume from and what to change."""
     model, optimizer, scheduler = built
     try:

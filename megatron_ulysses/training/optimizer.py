@@ -32,13 +32,15 @@ def _param_groups(model):
 class CpuAdamW:
     """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
 
-    def __init__(self, model, config):
-        """`config`: an `OptimizerConfig`."""
+    def __init__(self, model, config, log_num_zeros_in_grad: bool = False):
+        """`config`: an `OptimizerConfig`; `log_num_zeros_in_grad`: `step` counts the zero
+        gradient entries (megatron-core's OptimizerConfig option of that name)."""
         self.optimizer = torch.optim.AdamW(
             _param_groups(model), lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
         self.clip_grad = config.clip_grad
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
 
     @property
     def param_groups(self):
@@ -63,6 +65,16 @@ class CpuAdamW:
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
         return math.sqrt(squares.item())
 
+    def count_zeros(self) -> int:
+        """Zero entries of all gradients, each parameter counted once over TP x PP
+        (megatron-core's `count_zeros_fp32`, which allocates on CUDA)."""
+        zeros = torch.zeros(1, dtype=torch.int64)
+        for param in self.get_parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                zeros += param.grad.numel() - torch.count_nonzero(param.grad)
+        dist.all_reduce(zeros, group=mpu.get_model_parallel_group())
+        return int(zeros.item())
+
     @torch.no_grad()
     def step(self):
         for param in self.get_parameters():
@@ -72,8 +84,9 @@ class CpuAdamW:
             coefficient = self.clip_grad / (norm + 1e-6)
             for param in self.get_parameters():
                 param.grad.mul_(coefficient)
+        zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
-        return True, norm, None
+        return True, norm, zeros
 
     def _init_state(self) -> None:
         for param in self.get_parameters():
@@ -106,11 +119,12 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(config, model_config, model):
+def build_optimizer(config, model_config, model, log_num_zeros_in_grad: bool = False):
     """megatron-core's optimizer on GPU, `CpuAdamW` on CPU. `config`: an `OptimizerConfig`;
-    `model_config`: the `ModelConfig` (its precision)."""
+    `model_config`: the `ModelConfig` (its precision); `log_num_zeros_in_grad`: `step()` returns
+    the number of zero gradient entries (--log-num-zeros-in-grad)."""
     if not torch.cuda.is_available():
-        return CpuAdamW(model, config)
+        return CpuAdamW(model, config, log_num_zeros_in_grad)
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -122,5 +136,6 @@ def build_optimizer(config, model_config, model):
         loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
         min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
         hysteresis=config.hysteresis, use_distributed_optimizer=config.use_distributed_optimizer,
+        log_num_zeros_in_grad=log_num_zeros_in_grad,
     )
     return get_megatron_optimizer(mcore_config, [model])
