@@ -17,6 +17,19 @@ FLOPs: causal attention forward = 2*b*s^2*H*d (half of q.k^T + p.v), backward = 
 
 Command used (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/attention_overhead.py --rounds 2 --json $OUT/attention.json
+
+Uneven heads (`--uneven 28/4@8,...`, H query / G kv heads at SP size P; runs on CPU too): each
+SP rank's attention alone (its backend for its own H_r query heads, `head_layout.HeadLayout`,
+and its kv heads after `expand_kv`, forward + backward on all `s` tokens; no collectives), per
+distinct rank, timed side by side. The step waits for the slowest rank, which holds ceil(H/P)
+heads: `imbalance` = slowest / mean rank time, against the head-count bound ceil(H/P) / (H/P);
+an even case with ceil(H/P) heads per rank (28/4@7 next to 28/4@8) shows the slowest rank costs
+what that even layout's ranks do. Command (GPU):
+    python3 bench/attention_overhead.py --uneven 28/4@7,28/4@8,28/4@14,32/8@8,32/8@3,40/8@16 \
+        --json $OUT/uneven.json
+CPU smoke test (tests/test_bench_smoke.py):
+    python bench/attention_overhead.py --uneven 7/7@4,28/4@8 --seqs 64 --head-dim 8 \
+        --backends sdpa,local --warmup 0 --iters 1 --rounds 1
 """
 
 import argparse
@@ -175,6 +188,102 @@ def attention_kernels(run) -> list:
     return [e.key[:60] for e in events[:2]]
 
 
+def parse_uneven_cases(text: str) -> list:
+    """'28/4@8,32/8@3' -> [(28, 4, 8), (32, 8, 3)] (H query heads / G kv heads @ SP size P)."""
+    cases = []
+    for case in text.split(","):
+        heads, rest = case.split("/")
+        groups, sp = rest.split("@")
+        cases.append((int(heads), int(groups), int(sp)))
+    return cases
+
+
+def rank_attention_runs(config, backend, layout, s, d, dtype):
+    """{(H_r, kv repeats): fwd+bwd of one SP rank's attention with those heads} for every
+    distinct rank of `layout`, on `s` tokens, plus {rank: its key}."""
+    from megatron_ulysses.backends import build_backend_attention
+    from megatron_ulysses.head_layout import expand_kv
+
+    runs, keys = {}, {}
+    for rank in range(layout.sp_size):
+        heads, kv = len(layout.query_heads(rank)), len(layout.kv_heads(rank))
+        key = keys[rank] = (heads, tuple(layout.kv_repeats(rank)))
+        if key in runs:
+            continue
+        module = build_backend_attention(backend, config, 1, heads,
+                                         layout.attended_kv_heads(rank), None, 0.0)
+        module = module.to(harness.device())
+        gen = torch.Generator(device=harness.device()).manual_seed(heads * 1000 + kv)
+        q, k, v, grad = (torch.randn(s, 1, n, d, device=harness.device(), generator=gen,
+                                     dtype=dtype) for n in (heads, kv, kv, heads))
+        for t in (q, k, v):
+            t.requires_grad_()
+
+        def attend(q, k, v, module=module, rank=rank):
+            return module(q, expand_kv(k, layout, rank), expand_kv(v, layout, rank))
+        runs[key] = fwd_bwd(attend, q, k, v, grad)
+    return runs, keys
+
+
+def uneven_rows(args, backends) -> list:
+    """Per case, sequence length and backend: every SP rank's attention time (see docstring)."""
+    from megatron_ulysses.head_layout import HeadLayout
+    from megatron_ulysses.training.model import transformer_config
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    rows = []
+    for heads, groups, sp in parse_uneven_cases(args.uneven):
+        layout = HeadLayout(heads, groups, sp)
+        shape = harness.Shape(hidden=heads * args.head_dim, layers=1, heads=heads,
+                              kv_heads=groups, ffn=4 * heads * args.head_dim, vocab=128)
+        seqs = [int(s) for s in args.seqs.split(",")]
+        run = harness.run_config(shape, max(seqs), "sdpa")
+        config = transformer_config(run.model, run.dims)
+        for s in seqs:
+            for backend in backends:
+                runs, keys = rank_attention_runs(config, backend, layout, s, args.head_dim,
+                                                 dtype)
+                t = time_side_by_side(runs, args.warmup, args.iters, args.rounds)
+                rank_s = [t[keys[r]] for r in range(sp)]
+                slowest, mean = max(rank_s), sum(rank_s) / sp
+                row = {"case": f"{heads}/{groups}@{sp}", "H": heads, "G": groups, "P": sp,
+                       "s": s, "backend": backend,
+                       "heads_per_rank": [len(layout.query_heads(r)) for r in range(sp)],
+                       "rank_seconds": rank_s, "slowest_s": slowest, "mean_s": mean,
+                       "imbalance": slowest / mean, "bound": -(-heads // sp) / (heads / sp),
+                       "slowest_tflops": attention_flops(s, 1, -(-heads // sp), args.head_dim)
+                       / slowest / 1e12}
+                rows.append(row)
+                print(f"{row['case']:>9s} s={s:6d} {backend:5s} heads/rank "
+                      f"{min(row['heads_per_rank'])}-{max(row['heads_per_rank'])}: slowest "
+                      f"{slowest * 1e3:8.2f} ms, mean {mean * 1e3:8.2f} ms, imbalance "
+                      f"{row['imbalance']:.3f} (bound {row['bound']:.3f})", flush=True)
+                del runs
+                harness.reset_memory()
+    return rows
+
+
+def main_uneven(args):
+    from megatron_ulysses.backends import te_available
+    from megatron_ulysses.training.loop import initialize_distributed
+
+    initialize_distributed(harness.run_config(harness.Shape(
+        hidden=8 * args.head_dim, layers=1, heads=8, kv_heads=8, ffn=32 * args.head_dim,
+        vocab=128), 64, "sdpa"))
+    backends = [b for b in args.backends.split(",")
+                if b != "te" or (te_available() and torch.cuda.is_available())]
+    results = {"versions": harness.versions(), "args": vars(args)}
+    results["uneven_rows"] = uneven_rows(args, backends)
+    harness.write_json(args.json, results)
+    print("\n| case | s | backend | heads per rank | slowest ms | mean ms | imbalance | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results["uneven_rows"]:
+        print(f"| {r['case']} | {r['s']} | {r['backend']} | {min(r['heads_per_rank'])}-"
+              f"{max(r['heads_per_rank'])} | {r['slowest_s'] * 1e3:.2f} | "
+              f"{r['mean_s'] * 1e3:.2f} | {r['imbalance']:.3f} | {r['bound']:.3f} |")
+    harness.shutdown()
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", default="8192,32768", help="comma-separated sequence lengths")
@@ -186,7 +295,12 @@ def main():
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--uneven", default=None, metavar="H/G@P,...",
+                        help="time each SP rank's attention for these head layouts instead "
+                             "(e.g. 28/4@8; runs on CPU too)")
     args = parser.parse_args()
+    if args.uneven:
+        return main_uneven(args)
     if not torch.cuda.is_available():
         raise SystemExit("attention_overhead.py needs a GPU")
 

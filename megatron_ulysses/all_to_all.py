@@ -3,25 +3,36 @@
 Glossary (shapes per rank, megatron's sequence-first layout):
     s    full sequence            s/P  local sequence shard
     b    micro batch              H    query heads on this TP rank
-    G    kv heads (query groups) on this TP rank, G' = max(G, P) after replication
+    G    kv heads (query groups) on this TP rank
     d    head dim                 P    Ulysses SP size
+    H_r, K_r   query and kv heads of SP rank r (`head_layout.HeadLayout`: H_r = ceil(H/P) for
+               r < H % P, else floor(H/P); K_r = the kv heads those query heads use)
 
-In:  q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]`  ->  q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`.
-Out: o `[s, b, H/P, d]`  ->  `[s/P, b, H*d]`.
+In:  q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]`  ->  q `[s, b, H_r, d]`, k, v `[s, b, K_r, d]`.
+Out: o `[s, b, H_r, d]`  ->  `[s/P, b, H*d]`.
 
-The layout functions (`pack_*`, `unpack_*`) and the shape checks (`check_*`, run before each
-exchange, naming the flag that fixes a bad shape) are pure tensor math testable without a process
-group; `AllToAll` is the only collective. The exchange is its own inverse, so its backward is the
-same all-to-all on the gradient; autograd handles the pure permutations around it.
+Each exchange is ONE `all_to_all_single` over flat buffers with per-rank split sizes (equal
+splits when every rank has the same head counts). In: rank j's chunk of every sender is
+`[s/P, b, H_j + 2*K_j, d]` (its q, k and v heads, contiguous), so receivers get P equal chunks.
+Out: the inverse, equal chunks sent, `[s/P, b, H_i, d]` received from rank i. The layout
+functions (`pack_*`, `unpack_*`) and the shape checks (`check_*`, run before each exchange,
+naming the flag that fixes a bad shape) are pure tensor math testable without a process group;
+`AllToAll` is the only collective. Its backward is the same exchange with the split sizes
+swapped; autograd handles the pure slicing around it, including the sum over a replicated kv
+head's copies.
 """
+
+from typing import List, Tuple
 
 import torch
 import torch.distributed as dist
 
+from .head_layout import HeadLayout
+
 
 def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp_size: int) -> None:
     """Raise ValueError unless q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]` split over P SP ranks:
-    P | H, G | H, and P | G or G | P (kv heads split, or replicated when G < P)."""
+    G | H and H >= P (every SP rank gets at least one query head)."""
     shapes = f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
     if not q.dim() == k.dim() == v.dim() == 4:
         raise ValueError(f"Ulysses takes 4-d q [s/P, b, H, d], k, v [s/P, b, G, d]; got {shapes}")
@@ -31,121 +42,139 @@ def check_qkv_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp_size:
             f"and k with v in G; got {shapes}"
         )
     heads, groups = q.shape[2], k.shape[2]
-    if heads % sp_size != 0:
-        raise ValueError(
-            f"q [s/P, b, H, d] {list(q.shape)}: H = {heads} heads on this tensor-parallel rank "
-            "(--num-attention-heads / --tensor-model-parallel-size) is not divisible by "
-            f"P = --ulysses-sp-size ({sp_size}): Ulysses gives every SP rank H/P heads; change "
-            "--num-attention-heads, --tensor-model-parallel-size or --ulysses-sp-size"
-        )
     if groups == 0 or heads % groups != 0:
         raise ValueError(
             f"{shapes}: H = {heads} query heads are not divisible by G = {groups} kv heads "
             "(--num-query-groups / --tensor-model-parallel-size); change --num-query-groups"
         )
-    if groups % sp_size != 0 and sp_size % groups != 0:
+    if heads < sp_size:
         raise ValueError(
-            f"k, v [s/P, b, G, d] {list(k.shape)}: G = {groups} kv heads on this tensor-parallel "
-            "rank (--num-query-groups / --tensor-model-parallel-size) and P = --ulysses-sp-size "
-            f"({sp_size}) must divide one another (kv heads are split over SP ranks, or "
-            "replicated when G < P); change --num-query-groups or --ulysses-sp-size"
+            f"q [s/P, b, H, d] {list(q.shape)}: H = {heads} query heads on this tensor-parallel "
+            "rank (--num-attention-heads / --tensor-model-parallel-size) are fewer than "
+            f"P = --ulysses-sp-size ({sp_size}): every SP rank needs at least one head; use "
+            f"--ulysses-sp-size <= {heads} or a smaller --tensor-model-parallel-size"
         )
 
 
-def check_output_shape(out: torch.Tensor, sp_size: int) -> None:
-    """Raise ValueError unless the attention output o `[s, b, H/P, d]` splits into P s/P-shards."""
+def check_output_shape(out: torch.Tensor, layout: HeadLayout, rank: int) -> None:
+    """Raise ValueError unless the attention output o `[s, b, H_r, d]` has rank r's H_r heads and
+    splits into P s/P-shards."""
     if out.dim() != 4:
         raise ValueError(
-            f"Ulysses takes a 4-d attention output o [s, b, H/P, d]; got {list(out.shape)}"
+            f"Ulysses takes a 4-d attention output o [s, b, H_r, d]; got {list(out.shape)}"
         )
-    if out.shape[0] % sp_size != 0:
+    num_heads = len(layout.query_heads(rank))
+    if out.shape[2] != num_heads:
         raise ValueError(
-            f"attention output o [s, b, H/P, d] {list(out.shape)} has s = {out.shape[0]} tokens, "
-            f"not divisible by P = --ulysses-sp-size ({sp_size}): every SP rank gets s/P of them; "
-            "pad the sequence or change --seq-length"
+            f"internal error: attention output o [s, b, H_r, d] {list(out.shape)} of SP rank "
+            f"{rank} has {out.shape[2]} heads, expected H_r = {num_heads} (H = {layout.heads} "
+            f"query heads over P = {layout.sp_size} SP ranks)"
+        )
+    if out.shape[0] % layout.sp_size != 0:
+        raise ValueError(
+            f"attention output o [s, b, H_r, d] {list(out.shape)} has s = {out.shape[0]} "
+            f"tokens, not divisible by P = --ulysses-sp-size ({layout.sp_size}): every SP rank "
+            "gets s/P of them; pad the sequence or change --seq-length"
         )
 
 
-def replicate_kv_heads(kv: torch.Tensor, sp_size: int) -> torch.Tensor:
-    """`[s/P, b, G, d]` -> `[s/P, b, max(G, P), d]`.
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             layout: HeadLayout) -> Tuple[torch.Tensor, List[int]]:
+    """q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]` -> flat send buffer and its split sizes.
 
-    With G < P each kv head is repeated P/G times, so SP rank r receives kv head r*G/P: the group
-    its query heads `[r*H/P, (r+1)*H/P)` use. The backward of the repeat sums the replicas' grads.
+    Chunk j is `[s/P, b, H_j + 2*K_j, d]`: the q, k and v heads SP rank j attends over, so one
+    all-to-all moves all three; a kv head used by several ranks is copied into each chunk.
     """
-    groups = kv.shape[2]
-    if groups >= sp_size:
-        return kv
-    return kv.repeat_interleave(sp_size // groups, dim=2)
+    chunks = []
+    for j in range(layout.sp_size):
+        heads, kv = layout.query_heads(j), layout.kv_heads(j)
+        chunk = torch.cat([q[:, :, heads.start:heads.stop], k[:, :, kv.start:kv.stop],
+                           v[:, :, kv.start:kv.stop]], dim=2)
+        chunks.append(chunk.reshape(-1))
+    return torch.cat(chunks), [chunk.numel() for chunk in chunks]
 
 
-def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp_size: int) -> torch.Tensor:
-    """q `[s/P, b, H, d]`, k, v `[s/P, b, G', d]` -> send buffer `[P, s/P, b, (H+2G')/P, d]`.
-
-    Chunk j holds the q, k and v heads destined for SP rank j, contiguous, so one all-to-all
-    moves all three.
-    """
-    s_local, b, _, d = q.shape
-    parts = [t.reshape(s_local, b, sp_size, t.shape[2] // sp_size, d) for t in (q, k, v)]
-    return torch.cat(parts, dim=3).permute(2, 0, 1, 3, 4).contiguous()
+def qkv_chunk_sizes(layout: HeadLayout, rank: int, s_local: int, b: int, d: int) -> List[int]:
+    """Split sizes SP rank r receives in the q/k/v exchange: P chunks `[s/P, b, H_r+2*K_r, d]`."""
+    heads = len(layout.query_heads(rank)) + 2 * len(layout.kv_heads(rank))
+    return [s_local * b * heads * d] * layout.sp_size
 
 
-def unpack_qkv(buffer: torch.Tensor, num_q_heads: int, num_kv_heads: int):
-    """Receive buffer `[P, s/P, b, (H+2G')/P, d]` -> q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`.
-
-    Chunk i came from SP rank i, i.e. holds tokens `[i*s/P, (i+1)*s/P)`; `num_q_heads` and
-    `num_kv_heads` are the per-rank counts H/P and G'/P.
-    """
-    p, s_local, b, _, d = buffer.shape
-    full = buffer.reshape(p * s_local, b, -1, d)
-    return full.split([num_q_heads, num_kv_heads, num_kv_heads], dim=2)
+def unpack_qkv(buffer: torch.Tensor, layout: HeadLayout, rank: int, b: int, d: int):
+    """Flat receive buffer of SP rank r (chunk i from SP rank i: tokens `[i*s/P, (i+1)*s/P)`)
+    -> q `[s, b, H_r, d]`, k, v `[s, b, K_r, d]`."""
+    num_heads, num_kv = len(layout.query_heads(rank)), len(layout.kv_heads(rank))
+    full = buffer.view(-1, b, num_heads + 2 * num_kv, d)
+    return full.split([num_heads, num_kv, num_kv], dim=2)
 
 
-def pack_output(out: torch.Tensor, sp_size: int) -> torch.Tensor:
-    """o `[s, b, H/P, d]` -> send buffer `[P, s/P, b, H/P, d]` (chunk j: SP rank j's tokens)."""
-    s, b, h_local, d = out.shape
-    return out.reshape(sp_size, s // sp_size, b, h_local, d)
+def pack_output(out: torch.Tensor) -> torch.Tensor:
+    """o `[s, b, H_r, d]` -> flat send buffer; chunk j (equal splits) is SP rank j's tokens
+    `[s/P, b, H_r, d]`."""
+    return out.reshape(-1)
 
 
-def unpack_output(buffer: torch.Tensor) -> torch.Tensor:
-    """Receive buffer `[P, s/P, b, H/P, d]` (chunk j: head group j) -> `[s/P, b, H*d]`."""
-    p, s_local, b, h_local, d = buffer.shape
-    return buffer.permute(1, 2, 0, 3, 4).reshape(s_local, b, p * h_local * d)
+def output_chunk_sizes(layout: HeadLayout, s_local: int, b: int, d: int) -> List[int]:
+    """Split sizes every rank receives in the output exchange: `[s/P, b, H_i, d]` from rank i."""
+    return [s_local * b * len(layout.query_heads(i)) * d for i in range(layout.sp_size)]
+
+
+def unpack_output(buffer: torch.Tensor, layout: HeadLayout, s_local: int, b: int,
+                  d: int) -> torch.Tensor:
+    """Flat receive buffer (chunk i: rank i's heads `[s/P, b, H_i, d]`) -> `[s/P, b, H*d]`."""
+    chunks = buffer.split(output_chunk_sizes(layout, s_local, b, d))
+    heads = [chunk.view(s_local, b, -1, d) for chunk in chunks]
+    return torch.cat(heads, dim=2).view(s_local, b, layout.heads * d)
 
 
 class AllToAll(torch.autograd.Function):
-    """Equal-split all-to-all over dim 0 of `[P, ...]`; backward is the same exchange."""
+    """`all_to_all_single` of a flat buffer with split sizes; the backward sends the gradient
+    back the same way (the send and receive sizes swapped)."""
 
     @staticmethod
-    def forward(ctx, buffer: torch.Tensor, group) -> torch.Tensor:
-        ctx.group = group
-        return _all_to_all(buffer, group)
+    def forward(ctx, buffer: torch.Tensor, send_sizes, recv_sizes, group) -> torch.Tensor:
+        ctx.sizes, ctx.group = (send_sizes, recv_sizes), group
+        return _all_to_all(buffer, send_sizes, recv_sizes, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _all_to_all(grad, ctx.group), None
+        send_sizes, recv_sizes = ctx.sizes
+        return _all_to_all(grad, recv_sizes, send_sizes, ctx.group), None, None, None
 
 
-def _all_to_all(buffer: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(buffer: torch.Tensor, send_sizes, recv_sizes, group) -> torch.Tensor:
     # Backends may hand back strided views (e.g. SDPA's permuted output); the collective needs
-    # dense buffers, and empty_like would copy the input's strides.
+    # dense buffers.
     buffer = buffer.contiguous()
-    out = torch.empty_like(buffer, memory_format=torch.contiguous_format)
-    dist.all_to_all_single(out, buffer, group=group)
+    out = buffer.new_empty(sum(recv_sizes))
+    equal = len(set(send_sizes)) == 1 and len(set(recv_sizes)) == 1
+    # Equal splits take the collective's plain path (as before uneven heads existed).
+    dist.all_to_all_single(out, buffer, None if equal else recv_sizes,
+                           None if equal else send_sizes, group=group)
     return out
 
 
-def qkv_to_head_sharded(q, k, v, group):
+def qkv_to_head_sharded(q, k, v, layout: HeadLayout, rank: int, group):
     """Sequence-sharded q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]` -> head-sharded
-    q `[s, b, H/P, d]`, k, v `[s, b, G'/P, d]`, in one collective."""
-    sp_size = dist.get_world_size(group)
-    check_qkv_shapes(q, k, v, sp_size)
-    k, v = replicate_kv_heads(k, sp_size), replicate_kv_heads(v, sp_size)
-    received = AllToAll.apply(pack_qkv(q, k, v, sp_size), group)
-    return unpack_qkv(received, q.shape[2] // sp_size, k.shape[2] // sp_size)
+    q `[s, b, H_r, d]`, k, v `[s, b, K_r, d]` of SP rank r, in one collective."""
+    check_qkv_shapes(q, k, v, layout.sp_size)
+    if (q.shape[2], k.shape[2]) != (layout.heads, layout.groups):
+        raise ValueError(f"internal error: q {list(q.shape)}, k {list(k.shape)} do not carry the "
+                         f"H = {layout.heads}, G = {layout.groups} heads of {layout}")
+    s_local, b, _, d = q.shape
+    buffer, send_sizes = pack_qkv(q, k, v, layout)
+    recv_sizes = qkv_chunk_sizes(layout, rank, s_local, b, d)
+    received = AllToAll.apply(buffer, send_sizes, recv_sizes, group)
+    return unpack_qkv(received, layout, rank, b, d)
 
 
-def output_to_sequence_sharded(out: torch.Tensor, group) -> torch.Tensor:
-    """Head-sharded attention output `[s, b, H/P, d]` -> sequence-sharded `[s/P, b, H*d]`."""
-    sp_size = dist.get_world_size(group)
-    check_output_shape(out, sp_size)
-    return unpack_output(AllToAll.apply(pack_output(out, sp_size), group))
+def output_to_sequence_sharded(out: torch.Tensor, layout: HeadLayout, rank: int,
+                               group) -> torch.Tensor:
+    """Head-sharded attention output `[s, b, H_r, d]` -> sequence-sharded `[s/P, b, H*d]`."""
+    check_output_shape(out, layout, rank)
+    s, b, num_heads, d = out.shape
+    s_local = s // layout.sp_size
+    send_sizes = [s_local * b * num_heads * d] * layout.sp_size
+    recv_sizes = output_chunk_sizes(layout, s_local, b, d)
+    received = AllToAll.apply(pack_output(out), send_sizes, recv_sizes, group)
+    return unpack_output(received, layout, s_local, b, d)

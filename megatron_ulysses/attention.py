@@ -4,8 +4,9 @@ two Ulysses all-to-alls.
 Shapes per rank (see `all_to_all` for the glossary): q `[s/P, b, H, d]`, k, v `[s/P, b, G, d]`
 in (already rotated with global positions), `[s/P, b, H*d]` out, exactly what megatron-core's
 `SelfAttention` hands to and expects from `core_attention`. In between, the local backend sees
-every token for H/P heads, so the plain causal mask (or the packed documents' global
-`cu_seqlens`) is the whole story.
+every token for this SP rank's H_r query heads (ceil(H/P) or floor(H/P), `head_layout`) and the
+kv heads they use, so the plain causal mask (or the packed documents' global `cu_seqlens`) is
+the whole story. Each SP rank builds its backend for its own head counts.
 
 Attention dropout runs under the RNG tracker's model-parallel stream, which `megatron_ulysses.rng`
 seeds per (TP, SP, PP) rank after the model build, so each head group draws its own masks:
@@ -24,6 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from . import parallel_state as ps
 from .all_to_all import output_to_sequence_sharded, qkv_to_head_sharded
 from .backends import build_backend_attention, resolve_backend
+from .head_layout import HeadLayout, expand_kv
 
 
 class UlyssesAttention(MegatronModule):
@@ -43,10 +45,13 @@ class UlyssesAttention(MegatronModule):
         super().__init__(config=config)
         self.sp_group = ps.get_ulysses_sp_group()
         self.sp_size = ps.get_ulysses_sp_world_size()
+        self.sp_rank = ps.get_ulysses_sp_rank()
         tp = config.tensor_model_parallel_size
-        heads, groups = config.num_attention_heads // tp, config.num_query_groups // tp
-        self.num_heads = heads // self.sp_size
-        self.num_kv_heads = max(groups, self.sp_size) // self.sp_size
+        ps.get_parallel_dims().validate_model(config.num_attention_heads, config.num_query_groups)
+        self.layout = HeadLayout(config.num_attention_heads // tp, config.num_query_groups // tp,
+                                 self.sp_size)
+        self.num_heads = len(self.layout.query_heads(self.sp_rank))
+        self.num_kv_heads = self.layout.attended_kv_heads(self.sp_rank)
         self.backend = resolve_backend(backend)
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.fork_dropout_rng = not config.sequence_parallel  # else the block runs under it
@@ -87,12 +92,14 @@ class UlyssesAttention(MegatronModule):
             with self._dropout_rng():
                 out = self.backend_attention(query, key, value, cu_seqlens, max_seqlen)
             return out.reshape(s_local, b, -1)
-        q, k, v = qkv_to_head_sharded(query, key, value, self.sp_group)
+        q, k, v = qkv_to_head_sharded(query, key, value, self.layout, self.sp_rank,
+                                      self.sp_group)
+        k, v = (expand_kv(t, self.layout, self.sp_rank) for t in (k, v))
         if cu_seqlens is not None:
             cu_seqlens = cu_seqlens.to(q.device)
         with self._dropout_rng():
             out = self.backend_attention(q, k, v, cu_seqlens, max_seqlen)
-        return output_to_sequence_sharded(out, self.sp_group)
+        return output_to_sequence_sharded(out, self.layout, self.sp_rank, self.sp_group)
 
     def _check_head_counts(self, query, key):
         """q `[s/P, b, H, d]`, k `[s/P, b, G, d]` carry this TP rank's share of the config's heads

@@ -1,8 +1,10 @@
 """The attention backends UlyssesAttention runs after the exchange, on head-sharded tensors.
 
-Every backend maps q `[s, b, Hl, d]`, k, v `[s, b, Gl, d]` (Hl = H/P query heads, Gl = G'/P kv
-heads of this rank, full sequence `s`) to `[s, b, Hl, d]`, causally. With packed documents,
-`cu_seqlens` (int32 `[n+1]`, over the batch-major flattened `[b*s]` sequence, global since every
+Every backend maps q `[s, b, Hl, d]`, k, v `[s, b, Gl, d]` (this SP rank's own Hl query and Gl kv
+heads, `head_layout.HeadLayout`: Hl is ceil(H/P) or floor(H/P), and Gl divides Hl with local
+query head i using kv head i // (Hl/Gl); full sequence `s`) to `[s, b, Hl, d]`, causally. Each rank
+builds its backend for its own counts, so ranks of one SP group may hold different module shapes.
+With packed documents, `cu_seqlens` (int32 `[n+1]`, over the batch-major flattened `[b*s]` sequence, global since every
 rank now holds all `s` tokens) bounds the documents and attention never crosses them.
 
     te     Transformer Engine DotProductAttention (fused/cuDNN kernels; THD for packed documents)

@@ -73,14 +73,15 @@ class ParallelDims:
         num_query_groups: Optional[int],
         seq_length: Optional[int] = None,
     ) -> None:
-        """Check the model shape against TP x SP; raise one clear error naming the flag."""
+        """Check the model shape against TP x SP; raise one clear error naming the flag.
+
+        Heads need not divide by SP: SP rank r attends over ceil(H/P) or floor(H/P) of a TP
+        rank's H query heads (`head_layout`), so H/TP >= P is the one SP rule."""
         heads, groups = num_attention_heads, num_query_groups or num_attention_heads
-        tp_sp = self.tp * self.sp
-        if heads % tp_sp != 0:
+        if heads % self.tp != 0:
             raise ValueError(
                 f"--num-attention-heads ({heads}) must be divisible by "
-                f"--tensor-model-parallel-size x --ulysses-sp-size ({self.tp} x {self.sp} = "
-                f"{tp_sp}): Ulysses gives every SP rank the same number of heads"
+                f"--tensor-model-parallel-size ({self.tp})"
             )
         if heads % groups != 0:
             raise ValueError(
@@ -91,13 +92,12 @@ class ParallelDims:
                 f"--num-query-groups ({groups}) must be divisible by "
                 f"--tensor-model-parallel-size ({self.tp})"
             )
-        local_groups = groups // self.tp
-        if local_groups % self.sp != 0 and self.sp % local_groups != 0:
+        if heads // self.tp < self.sp:
             raise ValueError(
-                f"--num-query-groups ({groups}) per tensor-parallel rank ({local_groups}) and "
-                f"--ulysses-sp-size ({self.sp}) must divide one another (kv heads are split over "
-                "SP ranks, or replicated when there are fewer kv heads than SP ranks); change "
-                "--num-query-groups or --ulysses-sp-size"
+                f"--num-attention-heads ({heads}) / --tensor-model-parallel-size ({self.tp}) = "
+                f"{heads // self.tp} query heads per tensor-parallel rank, fewer than "
+                f"--ulysses-sp-size ({self.sp}): every SP rank needs at least one head; "
+                f"{self._largest_sp_message(heads // self.tp)}"
             )
         if seq_length is not None and seq_length % (self.sp * self.tp) != 0:
             raise ValueError(
@@ -105,6 +105,17 @@ class ParallelDims:
                 f"--tensor-model-parallel-size ({self.sp} x {self.tp}); pad the sequence or "
                 "change --seq-length"
             )
+
+    def _largest_sp_message(self, heads_per_tp_rank: int) -> str:
+        """The fix for too few heads: the largest SP size with a head per rank that also
+        divides this world's processes per TP x PP."""
+        ranks = self.world_size // (self.tp * self.pp)
+        largest = max(p for p in range(1, heads_per_tp_rank + 1) if ranks % p == 0)
+        return (f"the largest --ulysses-sp-size that works is {largest} (at most "
+                f"{heads_per_tp_rank} heads per tensor-parallel rank, and a divisor of world size "
+                f"{self.world_size} / (--tensor-model-parallel-size {self.tp} x "
+                f"--pipeline-model-parallel-size {self.pp}) = {ranks}), or lower "
+                "--tensor-model-parallel-size")
 
 
 def start_process_group(backend: str, timeout_minutes: int = 10) -> None:

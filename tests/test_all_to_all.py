@@ -5,72 +5,133 @@ import torch
 from megatron.core.parallel_state import RankGenerator
 
 from megatron_ulysses.all_to_all import (
+    output_chunk_sizes,
     pack_output,
     pack_qkv,
-    replicate_kv_heads,
+    qkv_chunk_sizes,
     unpack_output,
     unpack_qkv,
 )
+from megatron_ulysses.head_layout import HeadLayout, expand_kv
 from megatron_ulysses.parallel_state import ParallelDims
 
-S, B, D = 16, 2, 4
+S, B, D = 24, 2, 4  # S divides by every P below
+
+# (H, G, P): MHA, G >= P, G < P (replicated), no SP; uneven: H % P != 0 with MHA (H/P < P,
+# DeepSpeed's case), with G < P, with G > P and P not dividing G, with a kv head on 3 ranks.
+SHAPES = [(4, 4, 1), (4, 4, 2), (8, 2, 4), (8, 1, 2), (8, 8, 4), (8, 4, 2),
+          (7, 7, 4), (28, 4, 8), (14, 2, 4), (32, 8, 3), (40, 8, 8), (6, 1, 4), (12, 4, 6)]
 
 
-def exchange_reference(send_buffers):
-    """What one all-to-all does to the P ranks' send buffers `[P, ...]`, without a process group:
-    rank i receives chunk i of every rank j, in order of j."""
-    return [torch.stack([buf[i] for buf in send_buffers]) for i in range(len(send_buffers))]
+def exchange_reference(sends, sizes):
+    """What one all-to-all does to the P ranks' flat send buffers split by `sizes[j]` (rank j's
+    send split sizes), without a process group: rank i receives chunk i of every rank j, in
+    order of j. Differentiable, so it also gives the exchange's backward."""
+    chunks = [buf.split(size) for buf, size in zip(sends, sizes)]
+    return [torch.cat([c[i] for c in chunks]) for i in range(len(sends))]
 
 
 def _shards(full, p):
     return list(full.chunk(p, dim=0))
 
 
-@pytest.mark.parametrize("p,heads,groups", [(1, 4, 4), (2, 4, 4), (4, 8, 2), (2, 8, 1), (4, 8, 8)])
-def test_qkv_exchange_gives_every_rank_all_tokens_of_its_heads(p, heads, groups):
-    q, k, v = torch.randn(S, B, heads, D), torch.randn(S, B, groups, D), torch.randn(S, B, groups, D)
-    sends = [
-        pack_qkv(qs, replicate_kv_heads(ks, p), replicate_kv_heads(vs, p), p)
-        for qs, ks, vs in zip(_shards(q, p), _shards(k, p), _shards(v, p))
-    ]
-    received = exchange_reference(sends)
-    kv_full = max(groups, p)
-    for r in range(p):
-        qr, kr, vr = unpack_qkv(received[r], heads // p, kv_full // p)
-        assert qr.shape == (S, B, heads // p, D)
-        torch.testing.assert_close(qr, q[:, :, r * heads // p:(r + 1) * heads // p], rtol=0, atol=0)
-        # The kv head a rank receives is the group of its query heads.
-        for local_head in range(heads // p):
-            group = (r * heads // p + local_head) // (heads // groups)
-            kv_index = group - r * (groups // p) if groups >= p else 0
-            torch.testing.assert_close(kr[:, :, kv_index], k[:, :, group], rtol=0, atol=0)
-            torch.testing.assert_close(vr[:, :, kv_index], v[:, :, group], rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("p", [1, 2, 4])
-def test_output_exchange_round_trip(p):
-    heads = 8
-    out = torch.randn(S, B, heads, D)
-    # Rank r holds heads [r*H/P, (r+1)*H/P) for all tokens.
-    sends = [pack_output(h.contiguous(), p) for h in out.chunk(p, dim=2)]
-    received = exchange_reference(sends)
+def _exchange_qkv(q, k, v, layout):
+    """Every rank's q, k, v after the pure pack -> reference exchange -> unpack."""
+    p = layout.sp_size
+    packed = [pack_qkv(qs, ks, vs, layout)
+              for qs, ks, vs in zip(_shards(q, p), _shards(k, p), _shards(v, p))]
+    received = exchange_reference([buf for buf, _ in packed], [sizes for _, sizes in packed])
     for r, buf in enumerate(received):
+        assert [c.numel() for c in buf.split(qkv_chunk_sizes(layout, r, S // p, B, D))] == \
+            [sizes[r] for _, sizes in packed]
+    return [unpack_qkv(buf, layout, r, B, D) for r, buf in enumerate(received)]
+
+
+@pytest.mark.parametrize("heads,groups,p", SHAPES)
+def test_head_layout(heads, groups, p):
+    """Query heads: contiguous, ceil(H/P) for ranks r < H % P, floor(H/P) after; kv heads:
+    exactly the ones a rank's query heads use; expanded kv: native GQA grouping."""
+    layout = HeadLayout(heads, groups, p)
+    ranges = [layout.query_heads(r) for r in range(p)]
+    assert [h for rng in ranges for h in rng] == list(range(heads))
+    assert [len(rng) for rng in ranges] == [-(-heads // p) if r < heads % p else heads // p
+                                            for r in range(p)]
+    for r in range(p):
+        used = sorted({h * groups // heads for h in ranges[r]})
+        assert list(layout.kv_heads(r)) == used
+        # After expand_kv, local query head i uses backend kv head i // (H_r / attended).
+        kv = torch.tensor(used, dtype=torch.float)[None, None, :, None]
+        expanded = expand_kv(kv, layout, r)[0, 0, :, 0]
+        attended = layout.attended_kv_heads(r)
+        assert expanded.numel() == attended and len(ranges[r]) % attended == 0
+        per = len(ranges[r]) // attended
+        assert [int(expanded[i // per]) for i in range(len(ranges[r]))] == \
+            [h * groups // heads for h in ranges[r]]
+        if heads % p == 0 and (groups % p == 0 or p % groups == 0):  # the even layout
+            assert len(layout.kv_heads(r)) == max(groups, p) // p and attended == len(used)
+
+
+@pytest.mark.parametrize("heads,groups,p", SHAPES)
+def test_qkv_exchange_gives_every_rank_all_tokens_of_its_heads(heads, groups, p):
+    layout = HeadLayout(heads, groups, p)
+    q, k, v = (torch.randn(S, B, n, D) for n in (heads, groups, groups))
+    for r, (qr, kr, vr) in enumerate(_exchange_qkv(q, k, v, layout)):
+        heads_r, kv_r = layout.query_heads(r), layout.kv_heads(r)
+        assert qr.shape == (S, B, len(heads_r), D) and kr.shape == vr.shape == (S, B, len(kv_r), D)
+        torch.testing.assert_close(qr, q[:, :, heads_r.start:heads_r.stop], rtol=0, atol=0)
+        torch.testing.assert_close(kr, k[:, :, kv_r.start:kv_r.stop], rtol=0, atol=0)
+        torch.testing.assert_close(vr, v[:, :, kv_r.start:kv_r.stop], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("heads,groups,p", SHAPES)
+def test_qkv_exchange_backward_sums_over_kv_replicas(heads, groups, p):
+    """Through the exchange and expand_kv, every grad lands on its source shard; a kv head sent to
+    several ranks (and repeated for GQA) gets the sum of its copies' grads."""
+    layout = HeadLayout(heads, groups, p)
+    full = [torch.randn(S, B, n, D, requires_grad=True) for n in (heads, groups, groups)]
+    weights = [[torch.randn(S, B, n, D) for n in (len(layout.query_heads(r)),
+                                                    layout.attended_kv_heads(r),
+                                                    layout.attended_kv_heads(r))]
+               for r in range(p)]
+    loss = 0
+    for r, (qr, kr, vr) in enumerate(_exchange_qkv(*full, layout)):
+        got = (qr, expand_kv(kr, layout, r), expand_kv(vr, layout, r))
+        loss = loss + sum((t * w).sum() for t, w in zip(got, weights[r]))
+    loss.backward()
+    grads = [t.grad for t in full]
+    expected = [torch.zeros_like(t) for t in full]
+    for r in range(p):  # by hand: query head h of rank r, and the kv head it attends with
+        heads_r = layout.query_heads(r)
+        per = len(heads_r) // layout.attended_kv_heads(r)
+        for i, h in enumerate(heads_r):
+            expected[0][:, :, h] += weights[r][0][:, :, i]
+        for j in range(layout.attended_kv_heads(r)):  # backend kv head j serves queries j*per..
+            group = heads_r[j * per] * groups // heads
+            expected[1][:, :, group] += weights[r][1][:, :, j]
+            expected[2][:, :, group] += weights[r][2][:, :, j]
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("heads,groups,p", SHAPES)
+def test_output_exchange_is_the_inverse_of_the_query_exchange(heads, groups, p):
+    layout = HeadLayout(heads, groups, p)
+    out = torch.randn(S, B, heads, D, requires_grad=True)
+    # Rank r holds its heads for all tokens; it sends every rank the same amount.
+    sends = [pack_output(out[:, :, rng.start:rng.stop]) for rng in map(layout.query_heads,
+                                                                      range(p))]
+    equal = [[buf.numel() // p] * p for buf in sends]
+    received = exchange_reference(sends, equal)
+    back = []
+    for r, buf in enumerate(received):
+        assert [c.numel() for c in buf.split(output_chunk_sizes(layout, S // p, B, D))] == \
+            [size[r] for size in equal]
+        back.append(unpack_output(buf, layout, S // p, B, D))
         expected = out[r * S // p:(r + 1) * S // p].reshape(S // p, B, heads * D)
-        torch.testing.assert_close(unpack_output(buf), expected, rtol=0, atol=0)
-
-
-def test_exchange_is_its_own_inverse():
-    sends = [torch.randn(4, 3, 2) for _ in range(4)]
-    back = exchange_reference(exchange_reference(sends))
-    for a, b in zip(sends, back):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
-
-
-def test_replication_gradient_sums_over_replicas():
-    kv = torch.randn(S, B, 2, D, requires_grad=True)
-    grad = torch.randn(S, B, 4, D)
-    replicate_kv_heads(kv, 4).backward(grad)
-    torch.testing.assert_close(kv.grad, grad.view(S, B, 2, 2, D).sum(3))
+        torch.testing.assert_close(back[r], expected, rtol=0, atol=0)
+    grad = torch.randn(S, B, heads * D)
+    torch.cat(back).backward(grad)  # the backward returns every grad to its head
+    torch.testing.assert_close(out.grad, grad.view(S, B, heads, D), rtol=0, atol=0)
 
 
 def test_parallel_dims():
@@ -78,6 +139,10 @@ def test_parallel_dims():
     assert dims.dp == 2
     dims.validate_model(32, 8, 4096)
     ParallelDims(world_size=8, sp=8).validate_model(32, 2, 8192)  # kv replication: 8 % 2 == 0
+    # Heads that do not divide by SP, kv groups neither dividing nor divided by SP.
+    for world, tp, sp, heads, groups in ((8, 1, 8, 28, 4), (16, 1, 16, 40, 8), (4, 1, 4, 7, 7),
+                                         (8, 2, 4, 28, 4), (3, 1, 3, 32, 8), (8, 1, 8, 8, 8)):
+        ParallelDims(world_size=world, tp=tp, sp=sp).validate_model(heads, groups)
 
 
 def test_sp_groups_are_the_closest_ranks_after_tp():
@@ -100,10 +165,17 @@ def test_sp_groups_are_the_closest_ranks_after_tp():
     [
         (dict(world_size=6, sp=4), None, "world size 6 is not divisible"),
         (dict(world_size=8, sp=0), None, "--ulysses-sp-size must be >= 1"),
-        (dict(world_size=8, sp=4), (6, 6, None), "--num-attention-heads (6) must be divisible"),
-        (dict(world_size=8, tp=2, sp=4), (12, 12, None), "--tensor-model-parallel-size x --ulysses-sp-size (2 x 4 = 8)"),
-        (dict(world_size=8, sp=4), (24, 6, None), "--num-query-groups (6) per tensor-parallel rank (6) and --ulysses-sp-size (4)"),
-        (dict(world_size=8, sp=8), (24, 3, None), "--num-query-groups (3)"),
+        (dict(world_size=8, tp=2, sp=4), (6, 6, None), "--num-attention-heads (6) / "
+         "--tensor-model-parallel-size (2) = 3 query heads per tensor-parallel rank, fewer than "
+         "--ulysses-sp-size (4): every SP rank needs at least one head; the largest "
+         "--ulysses-sp-size that works is 2 (at most 3 heads per tensor-parallel rank, and a "
+         "divisor of world size 8 / (--tensor-model-parallel-size 2 x "
+         "--pipeline-model-parallel-size 1) = 4), or lower --tensor-model-parallel-size"),
+        (dict(world_size=16, sp=16), (12, 4, None),
+         "the largest --ulysses-sp-size that works is 8"),
+        (dict(world_size=12, sp=12), (7, 7, None), "the largest --ulysses-sp-size that works is 6"),
+        (dict(world_size=8, tp=2, sp=2), (7, 7, None),
+         "--num-attention-heads (7) must be divisible by --tensor-model-parallel-size (2)"),
         (dict(world_size=8, tp=2, sp=2), (12, 3, None), "--num-query-groups (3) must be divisible by --tensor-model-parallel-size (2)"),
         (dict(world_size=8, sp=4), (8, 8, 1022), "--seq-length (1022) must be divisible by --ulysses-sp-size"),
         (dict(world_size=4, sp=2), (8, 3, None), "--num-attention-heads (8) must be divisible by --num-query-groups (3)"),

@@ -1,6 +1,7 @@
 """The whole-model benchmarks end to end on CPU at the tiny preset and one short sequence:
 bench/mfu.py (stock megatron-core and ours side by side, two micro batches per optimizer step)
-and bench/profile_step.py (the time breakdown of one step of ours)."""
+and bench/profile_step.py (the time breakdown of one step of ours); and the uneven-heads mode of
+bench/attention_overhead.py (each SP rank's attention time for its own head count)."""
 
 import json
 import math
@@ -8,6 +9,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("stock", "ours", "ours-full-tiled")
@@ -62,3 +65,23 @@ def test_profile_step_categories_add_up(tmp_path):
     assert results["top_kernels"] and all(k["category"] in CATEGORIES
                                           for k in results["top_kernels"])
     assert all(k["category"] == "other" for k in results["other_top"])
+
+
+def test_attention_overhead_uneven_heads_rows(tmp_path):
+    out = tmp_path / "uneven.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "attention_overhead.py"), "--uneven",
+         "7/7@4,28/4@8", "--seqs", "64", "--head-dim", "8", "--backends", "sdpa,local",
+         "--warmup", "0", "--iters", "1", "--rounds", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads(out.read_text())["uneven_rows"]
+    assert [(r["case"], r["backend"]) for r in rows] == [
+        ("7/7@4", "sdpa"), ("7/7@4", "local"), ("28/4@8", "sdpa"), ("28/4@8", "local")]
+    for row in rows:
+        heads = [2, 2, 2, 1] if row["H"] == 7 else [4] * 4 + [3] * 4
+        assert row["heads_per_rank"] == heads and len(row["rank_seconds"]) == row["P"]
+        assert row["slowest_s"] == max(row["rank_seconds"]) >= row["mean_s"] > 0
+        assert row["imbalance"] == row["slowest_s"] / row["mean_s"]
+        assert row["bound"] == pytest.approx(max(heads) / (row["H"] / row["P"]))

@@ -317,9 +317,12 @@ BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
 
 @pytest.mark.parametrize("argv, world, message", [
     (["--ulysses-sp-size", "3"], 4, "world size 4 is not divisible"),
-    (["--ulysses-sp-size", "16"], 16, "--num-attention-heads (8) must be divisible"),
-    (["--ulysses-sp-size", "4", "--tensor-model-parallel-size", "4"], 16,
-     "--tensor-model-parallel-size x --ulysses-sp-size (4 x 4 = 16)"),
+    (["--ulysses-sp-size", "16"], 16, "--num-attention-heads (8) / --tensor-model-parallel-size "
+     "(1) = 8 query heads per tensor-parallel rank, fewer than --ulysses-sp-size (16): every SP "
+     "rank needs at least one head; the largest --ulysses-sp-size that works is 8"),
+    (["--ulysses-sp-size", "8", "--tensor-model-parallel-size", "2"], 16,
+     "4 query heads per tensor-parallel rank, fewer than --ulysses-sp-size (8): every SP rank "
+     "needs at least one head; the largest --ulysses-sp-size that works is 4"),
     (["--global-batch-size", "3"], 2, "--global-batch-size (3) must be a positive multiple"),
     (["--bf16"], 1, "--bf16/--fp16 need CUDA"),
     (["--offload-activations"], 1, "--offload-activations needs --recompute-granularity full"),
@@ -406,11 +409,13 @@ def test_te_attention_needs_te_layers():
         arguments.validate_args(arguments.build_parser().parse_args(argv), 1, cuda=True)
 
 
-def test_kv_groups_that_do_not_divide_sp_are_refused():
-    argv = BASE + ["--num-attention-heads", "12", "--hidden-size", "96", "--num-query-groups",
-                   "3", "--ulysses-sp-size", "2"]
-    with pytest.raises(ConfigError, match=r"--num-query-groups \(3\) .* --ulysses-sp-size \(2\)"):
-        parse_args(argv, world_size=2)
+def test_heads_and_kv_groups_that_do_not_divide_sp_are_accepted():
+    # 12 heads / 3 kv groups: at SP 8, 2 heads on ranks 0-3, 1 on ranks 4-7.
+    for sp in (2, 8):
+        argv = BASE + ["--num-attention-heads", "12", "--hidden-size", "96",
+                       "--group-query-attention", "--num-query-groups", "3",
+                       "--ulysses-sp-size", str(sp)]
+        assert parse_args(argv, world_size=sp).dims.sp == sp
 
 
 def test_unknown_flag_exits_2(capsys):

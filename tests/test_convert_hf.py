@@ -39,9 +39,15 @@ def save_random_llama(path, vocab: int):
         vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=256)
-    config.architectures = ["LlamaForCausalLM"]
+    return save_random_model(path, config, transformers.LlamaForCausalLM)
+
+
+def save_random_model(path, config, model_class):
+    """A random `model_class` (fp32) of `config`, weights spread wider than HF's init, saved with
+    `save_pretrained` to `path`."""
+    config.architectures = [model_class.__name__]
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.float32)
+    model = model_class._from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn_like(param)

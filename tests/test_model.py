@@ -19,8 +19,13 @@ parallelism (kv heads replicated; torch RMSNorm on TP-sequence shards); `sdpa` a
 backends, whose references must also agree with each other. Packed documents (cu_seqlens,
 `reset_attention_mask`): SP equals SP = 1 equals each document run alone. Learned absolute
 positions: SP shards carry global (or reset) position ids.
+
+Uneven heads (H % P != 0; SP rank r attends over ceil(H/P) heads for r < H % P, else floor), with
+RoPE, plain and packed, each in its own spawn: 28 / 4 heads at SP 8 and at TP 2 x SP 4 (8
+processes), 14 / 2 and 7 / 7 at SP 4 (4), 32 / 8 at SP 3 (3).
 """
 
+from typing import NamedTuple
 from unittest import mock
 
 import torch
@@ -40,7 +45,7 @@ from megatron_ulysses.layer_specs import build_gpt_model
 from megatron_ulysses.loss import global_mean, masked_sum
 
 WORLD = 4
-V, HIDDEN, HEADS, GROUPS, FFN, B = 128, 64, 8, 2, 96, 2
+V, HIDDEN, FFN, B = 128, 64, 96, 2
 MAX_POSITIONS = 32
 EOD, PAD = 1, 0
 SEED = 1234
@@ -61,20 +66,32 @@ PACKED_DOCS = [
 ]
 
 
-def _config(tp: int) -> TransformerConfig:
+class Heads(NamedTuple):
+    """Query heads, kv heads (query groups) and head dim of the test model."""
+
+    heads: int
+    groups: int
+    head_dim: int
+
+
+EVEN = Heads(8, 2, 8)
+
+
+def _config(tp: int, shape: Heads = EVEN) -> TransformerConfig:
     return TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-        ffn_hidden_size=FFN, gated_linear_unit=True, activation_func=F.silu,
+        num_layers=2, hidden_size=HIDDEN, num_attention_heads=shape.heads,
+        num_query_groups=shape.groups, kv_channels=shape.head_dim, ffn_hidden_size=FFN,
+        gated_linear_unit=True, activation_func=F.silu,
         normalization="RMSNorm", add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=0.1, use_cpu_initialization=True, apply_rope_fusion=False,
         tensor_model_parallel_size=tp, sequence_parallel=tp > 1,
     )
 
 
-def _build(tp, backend, position, tied):
+def _build(tp, backend, position, tied, shape=EVEN):
     torch.manual_seed(SEED)  # every rank and every layout: the same master weights
     return build_gpt_model(
-        _config(tp), V, MAX_POSITIONS, backend=backend, position_embedding_type=position,
+        _config(tp, shape), V, MAX_POSITIONS, backend=backend, position_embedding_type=position,
         share_embeddings_and_output_weights=tied,
     )
 
@@ -142,13 +159,13 @@ def _init(tp, sp):
     assert not ps.is_initialized() and not mpu.model_parallel_is_initialized()
     dims = ps.initialize_model_parallel(tensor_model_parallel_size=tp, ulysses_sp_size=sp)
     cpu_compat.model_parallel_manual_seed(SEED)
-    rank = dist.get_rank()
-    assert (dims.tp, dims.sp, dims.dp) == (tp, sp, WORLD // (tp * sp))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert (dims.tp, dims.sp, dims.dp) == (tp, sp, world // (tp * sp))
     assert mpu.get_tensor_model_parallel_world_size() == tp
     assert mpu.get_tensor_model_parallel_rank() == rank % tp
     assert mpu.get_context_parallel_world_size() == 1
     mcore_dp = dist.get_process_group_ranks(mpu.get_data_parallel_group())
-    assert mcore_dp == list(range(rank % tp, WORLD, tp)), mcore_dp  # DP' = DP x SP
+    assert mcore_dp == list(range(rank % tp, world, tp)), mcore_dp  # DP' = DP x SP
     sp_ranks = dist.get_process_group_ranks(ps.get_ulysses_sp_group())
     assert len(sp_ranks) == sp and set(sp_ranks) <= set(mcore_dp)
     assert dist.get_process_group_ranks(ps.get_ulysses_sp_group()) == sp_ranks
@@ -212,17 +229,17 @@ def _tp_shard(full, param, tp, tp_rank):
     return torch.cat(full.chunk(tp * stride, dim=dim)[tp_rank::tp], dim=dim)
 
 
-class _ReplicationCounter:
-    """Counts kv-head replications (G < P) in the Ulysses exchange."""
+class _KvHeadsSent:
+    """Records, per fused q/k/v exchange, how many kv heads (over all destinations) it sends."""
 
     def __init__(self):
-        self.count, original = 0, all_to_all.replicate_kv_heads
+        self.sent, original = [], all_to_all.pack_qkv
 
-        def counting(kv, sp_size):
-            self.count += kv.shape[2] < sp_size
-            return original(kv, sp_size)
+        def recording(q, k, v, layout):
+            self.sent.append(sum(len(layout.kv_heads(j)) for j in range(layout.sp_size)))
+            return original(q, k, v, layout)
 
-        self.patch = mock.patch.object(all_to_all, "replicate_kv_heads", counting)
+        self.patch = mock.patch.object(all_to_all, "pack_qkv", recording)
 
     def __enter__(self):
         self.patch.start()
@@ -252,11 +269,16 @@ def _check_model(label, model, dims, samples, batch_kwargs, ref):
             rtol=0, atol=0, msg=f"{label}: weight {name}")
 
     shard = get_batch_for_sp_rank(samples[dp_rank], sp_rank, sp, PAD, EOD, **batch_kwargs)
-    with _ReplicationCounter() as replications:
+    with _KvHeadsSent() as kv_heads:
         per_token, loss_sum, count = _forward(model, shard)
         loss_sum.backward()
-    local_groups = GROUPS // tp
-    assert replications.count == (2 * _config(tp).num_layers if local_groups < sp else 0)
+    # One fused exchange per layer; every rank receives a kv head, so with fewer kv heads than
+    # SP ranks some go to several ranks (replication); even heads send max(G, P) kv heads.
+    assert len(kv_heads.sent) == (model.config.num_layers if sp > 1 else 0), label
+    heads, groups = model.config.num_attention_heads // tp, model.config.num_query_groups // tp
+    even = heads % sp == 0 and (groups % sp == 0 or sp % groups == 0)
+    for sent in kv_heads.sent:
+        assert sent == max(groups, sp) if even else sent >= max(groups, sp), (label, sent)
 
     # This shard's per-token loss (padding columns past the sample's length excluded).
     seq_len = samples[dp_rank]["tokens"].shape[1]
@@ -282,15 +304,16 @@ def _check_model(label, model, dims, samples, batch_kwargs, ref):
         assert norm_params and all(params[n].sequence_parallel for n in norm_params)
 
 
-def _run_case(name, position, tied, samples, layouts, batch_kwargs=None, per_document=False):
+def _run_case(name, position, tied, samples, layouts, batch_kwargs=None, per_document=False,
+              shape=EVEN):
     """One model and data set on both backends: the TP = SP = 1 references agree across backends
     (and, packed, with each document run alone), then every layout matches its backend's
     reference. One parallel-state initialization per layout serves both backends."""
     batch_kwargs = batch_kwargs or {}
     _init(1, 1)
     try:
-        refs = {backend: _reference(_build(1, backend, position, tied), samples, batch_kwargs,
-                                    per_document)
+        refs = {backend: _reference(_build(1, backend, position, tied, shape), samples,
+                                    batch_kwargs, per_document)
                 for backend in BACKENDS}
     finally:
         _destroy()
@@ -313,23 +336,69 @@ def _run_case(name, position, tied, samples, layouts, batch_kwargs=None, per_doc
         dims = _init(tp, sp)
         try:
             for backend in BACKENDS:
-                label = f"{name} {backend} TP{tp} SP{sp} DP{dims.dp}"
-                _check_model(label, _build(tp, backend, position, tied), dims, samples,
+                label = (f"{name} {shape.heads}/{shape.groups} heads {backend} TP{tp} SP{sp} "
+                         f"DP{dims.dp}")
+                _check_model(label, _build(tp, backend, position, tied, shape), dims, samples,
                              batch_kwargs, refs[backend])
         finally:
             _destroy()
 
 
+PACKED = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
+
+
 def _model_cases(rank, world_size):
     cpu_compat.install()
-    packed = dict(reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     _run_case("rope", "rope", False, _plain_samples(), LAYOUTS)
-    _run_case("packed rope", "rope", False, _packed_samples(), [(1, 2), (1, 4)], packed,
+    _run_case("packed rope", "rope", False, _packed_samples(), [(1, 2), (1, 4)], PACKED,
               per_document=True)
     _run_case("learned_absolute", "learned_absolute", True, _plain_samples(), [(1, 2)])
     _run_case("packed learned_absolute", "learned_absolute", True, _packed_samples(), [(1, 2)],
-              packed, per_document=True)
+              PACKED, per_document=True)
 
 
 def test_gpt_model_matches_unsharded_model():
     spawn(_model_cases, WORLD)
+
+
+# Uneven heads (H % P != 0): RoPE, both backends, against SP = 1; one DP sample; plain and packed
+# documents (SP 1 on packed documents equals each document alone: checked above).
+def _uneven_cases_8(rank, world_size):
+    """28 heads / 4 kv heads (Qwen2-7B's ratio) at SP 8 (3 or 4 heads per rank, kv heads split
+    over up to 3 ranks) and at TP 2 x SP 4 (14 heads per TP rank: 4, 4, 3, 3)."""
+    cpu_compat.install()
+    shape = Heads(28, 4, 4)
+    _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 8), (2, 4)], shape=shape)
+    _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 8)], PACKED,
+              shape=shape)
+
+
+def _uneven_cases_4(rank, world_size):
+    """14 / 2 heads at SP 4 (kv head 0 on ranks 0 and 1, head 1 on ranks 1-3); 7 / 7 at SP 4
+    (MHA with H/P < P, DeepSpeed's uneven case)."""
+    cpu_compat.install()
+    _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 4)], shape=Heads(14, 2, 4))
+    _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 4)], PACKED,
+              shape=Heads(7, 7, 4))
+
+
+def _uneven_cases_3(rank, world_size):
+    """32 / 8 heads at SP 3 (11, 11, 10 heads; 3, 4, 3 kv heads), 32 tokens padded to 33, and
+    packed documents (30 tokens)."""
+    cpu_compat.install()
+    shape = Heads(32, 8, 2)
+    _run_case("rope", "rope", False, _plain_samples()[:1], [(1, 3)], shape=shape)
+    _run_case("packed rope", "rope", False, _packed_samples()[:1], [(1, 3)], PACKED,
+              shape=shape)
+
+
+def test_uneven_heads_sp8_and_tp2_sp4():
+    spawn(_uneven_cases_8, 8)
+
+
+def test_uneven_heads_sp4():
+    spawn(_uneven_cases_4, 4)
+
+
+def test_uneven_heads_sp3():
+    spawn(_uneven_cases_3, 3)

@@ -12,6 +12,7 @@ from megatron_ulysses import cpu_compat
 from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.all_to_all import check_output_shape, check_qkv_shapes
 from megatron_ulysses.attention import UlyssesAttention
+from megatron_ulysses.head_layout import HeadLayout
 from megatron_ulysses.parallel_state import ParallelDims
 
 from distributed import spawn
@@ -26,12 +27,11 @@ def _qkv(heads, groups, s=S, b=B, d=D):
 @pytest.mark.parametrize(
     "qkv,p,fragments",
     [
-        (_qkv(6, 6), 4, ["H = 6", "--num-attention-heads / --tensor-model-parallel-size",
-                         "--ulysses-sp-size (4)", "[8, 2, 6, 4]"]),
+        (_qkv(3, 3), 4, ["H = 3", "--num-attention-heads / --tensor-model-parallel-size",
+                         "fewer than P = --ulysses-sp-size (4)", "[8, 2, 3, 4]",
+                         "--ulysses-sp-size <= 3"]),
         (_qkv(8, 3), 2, ["H = 8", "G = 3", "--num-query-groups", "[8, 2, 3, 4]"]),
         (_qkv(8, 0), 2, ["G = 0", "--num-query-groups"]),
-        (_qkv(24, 6), 4, ["G = 6", "--num-query-groups", "--ulysses-sp-size (4)", "[8, 2, 6, 4]"]),
-        (_qkv(24, 3), 8, ["G = 3", "--num-query-groups", "--ulysses-sp-size (8)", "replicated"]),
         ((_qkv(8, 2)[0], *_qkv(8, 2, s=4)[1:]), 2,
          ["internal error", "s/P, b and d", "q [8, 2, 8, 4], k [4, 2, 2, 4]"]),
         ((_qkv(8, 2)[0], *_qkv(8, 2, b=1)[1:]), 2, ["internal error", "k [8, 1, 2, 4]"]),
@@ -49,24 +49,31 @@ def test_bad_qkv_shapes_name_the_flag(qkv, p, fragments):
 
 
 @pytest.mark.parametrize(
-    "shape,p,fragments",
+    "shape,layout,fragments",
     [
-        ((15, B, 2, D), 2, ["s = 15", "--ulysses-sp-size (2)", "--seq-length", "[15, 2, 2, 4]"]),
-        ((S, B, 2 * D), 2, ["4-d", "[8, 2, 8]"]),
+        ((15, B, 2, D), HeadLayout(4, 4, 2), ["s = 15", "--ulysses-sp-size (2)", "--seq-length",
+                                              "[15, 2, 2, 4]"]),
+        ((S, B, 2 * D), HeadLayout(4, 4, 2), ["4-d", "[8, 2, 8]"]),
+        # 7 heads over 4 ranks: rank 3 has 1, not 2.
+        ((S, B, 2, D), HeadLayout(7, 7, 4), ["SP rank 3 has 2 heads, expected H_r = 1",
+                                             "H = 7 query heads over P = 4"]),
     ],
 )
-def test_bad_output_shape_names_the_flag(shape, p, fragments):
+def test_bad_output_shape_names_the_flag(shape, layout, fragments):
     with pytest.raises(ValueError) as err:
-        check_output_shape(torch.empty(shape), p)
+        check_output_shape(torch.empty(shape), layout, layout.sp_size - 1)
     for fragment in fragments:
         assert fragment in str(err.value)
 
 
 @pytest.mark.parametrize("heads,groups,p", [(8, 8, 2), (8, 4, 2), (8, 8, 4), (8, 2, 4), (8, 1, 4),
-                                            (4, 4, 1)])
-def test_good_shapes_pass(heads, groups, p):  # MHA, G >= P, G < P (replicated), no SP
+                                            (4, 4, 1), (7, 7, 4), (6, 2, 4), (24, 6, 4),
+                                            (24, 3, 8), (4, 4, 4)])
+def test_good_shapes_pass(heads, groups, p):  # MHA, G >= P, G < P (replicated), no SP, uneven
     check_qkv_shapes(*_qkv(heads, groups), p)
-    check_output_shape(torch.empty(S, B, heads // p, D), p)
+    layout = HeadLayout(heads, groups, p)
+    for r in range(p):
+        check_output_shape(torch.empty(S, B, len(layout.query_heads(r)), D), layout, r)
 
 
 def test_exchange_checks_agree_with_validate_model():
@@ -98,17 +105,17 @@ def _config(heads, groups):
 
 def _exchange_cases(rank, world_size):
     p, sl = world_size, slice(rank * S // world_size, (rank + 1) * S // world_size)
-    # Good shapes: both exchanges over the real group, exact.
-    for heads, groups in ((4, 4), (4, 2), (4, 1)):
+    # Good shapes (even and uneven heads): both exchanges over the real group, exact.
+    for heads, groups in ((4, 4), (4, 2), (4, 1), (3, 3), (3, 1), (6, 2)):
+        layout = HeadLayout(heads, groups, p)
         gen = torch.Generator().manual_seed(heads * 10 + groups)
         q, k, v = (torch.randn(S, B, n, D, generator=gen) for n in (heads, groups, groups))
-        qr, kr, vr = all_to_all.qkv_to_head_sharded(q[sl], k[sl], v[sl], None)
-        heads_r = slice(rank * heads // p, (rank + 1) * heads // p)
-        torch.testing.assert_close(qr, q[:, :, heads_r], rtol=0, atol=0)
-        kv_r = slice(rank * groups // p, (rank + 1) * groups // p) if groups >= p else slice(0, 1)
-        torch.testing.assert_close(kr, k[:, :, kv_r], rtol=0, atol=0)
-        torch.testing.assert_close(vr, v[:, :, kv_r], rtol=0, atol=0)
-        back = all_to_all.output_to_sequence_sharded(qr, None)
+        qr, kr, vr = all_to_all.qkv_to_head_sharded(q[sl], k[sl], v[sl], layout, rank, None)
+        heads_r, kv_r = layout.query_heads(rank), layout.kv_heads(rank)
+        torch.testing.assert_close(qr, q[:, :, heads_r.start:heads_r.stop], rtol=0, atol=0)
+        torch.testing.assert_close(kr, k[:, :, kv_r.start:kv_r.stop], rtol=0, atol=0)
+        torch.testing.assert_close(vr, v[:, :, kv_r.start:kv_r.stop], rtol=0, atol=0)
+        back = all_to_all.output_to_sequence_sharded(qr, layout, rank, None)
         torch.testing.assert_close(back, q[sl].reshape(S // p, B, heads * D), rtol=0, atol=0)
 
     # Bad shapes raise on every rank before any collective, so no rank is left waiting.
@@ -117,9 +124,10 @@ def _exchange_cases(rank, world_size):
     all_to_all.dist.all_to_all_single = lambda *args, **kwargs: calls.append(1)
     try:
         with pytest.raises(ValueError, match="--ulysses-sp-size"):
-            all_to_all.qkv_to_head_sharded(*_qkv(3, 3), None)
+            all_to_all.qkv_to_head_sharded(*_qkv(1, 1), HeadLayout(2, 2, p), rank, None)
         with pytest.raises(ValueError, match="--seq-length"):
-            all_to_all.output_to_sequence_sharded(torch.empty(S + 1, B, 2, D), None)
+            all_to_all.output_to_sequence_sharded(torch.empty(S + 1, B, 2, D),
+                                                  HeadLayout(4, 4, p), rank, None)
     finally:
         all_to_all.dist.all_to_all_single = original
     assert calls == []

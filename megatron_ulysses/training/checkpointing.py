@@ -10,22 +10,9 @@ replaces the tracker (write, fsync, rename, fsync) and only then deletes the old
 crash at any point leaves the tracker pointing at a complete checkpoint: in the one window where
 `iter_0000100/` is missing (between the two renames) the loader takes `iter_0000100.old/`.
 
-Safety: `--load` never runs code from the checkpoint. Everything this package stores besides
-tensors is a plain value (int, float, str, bool, None, lists, dicts): RNG states are tensors, the
-iteration, samples, arguments and the scheduler state are JSON-able. Before megatron-core reads
-anything, every file it would unpickle is checked with a restricted unpickler that admits only
-tensors, plain containers and torch.distributed.checkpoint's metadata classes, for both
-megatron-core 0.16 and 0.19:
-  * `.metadata` (and any rank-local `__<rank>.metadata`): `pickle.load` in DCP's FileSystemReader;
-  * every BytesIO item those files list (ShardedObjects: the common state in 0.19, layers'
-    `_extra_state`, anything planted), read from `*.distcp` and unpickled by DCP's
-    `load_bytes` with `torch.load(weights_only=False)`;
-  * `common.pt` (0.16's common state; 0.19 still loads one if it exists) and any other `*.pt`
-    (0.16's per-object files), read with `torch.load`;
-  * `metadata.json` (JSON, no code) must name the torch_dist backend.
-Tensor items of `*.distcp` are read by DCP with `torch.load(weights_only=True)`. After the load,
-non-empty `_extra_state` byte tensors (Transformer Engine unpickles them) get the same check.
-Anything else is refused with one `ConfigError` naming `--load` and the offending file.
+Safety: `--load` never runs code from the checkpoint: every file megatron-core would unpickle is
+checked first by `trust.check_checkpoint_files` (see `trust`), and the loaded `_extra_state`
+bytes by `trust.check_extra_states`.
 
 RNG: each rank saves its own torch CPU, CUDA, megatron-core tracker, python `random` and numpy
 states as tensors (one row per rank). A load with the same world size, TP, PP and SP restores each
@@ -34,13 +21,15 @@ not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
 
 Model tensors are stored unsharded-by-layout, so a run can resume with another
 `--ulysses-sp-size` or data-parallel size (TP and PP must match).
+
+Megatron-LM's torch_dist checkpoints load too (`megatron_lm_checkpoint` maps their common
+state onto ours): the model at any SP size, its LR schedule, iteration and consumed samples; RNG
+states restart from --seed.
 """
 
-import collections
 import contextlib
 import dataclasses
 import errno
-import io
 import json
 import os
 import pickle
@@ -48,11 +37,11 @@ import random
 import re
 import shutil
 import warnings
-import zipfile
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from megatron.core import __version__ as megatron_core_version
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
@@ -66,7 +55,9 @@ from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from ..errors import ConfigError, flag_name
+from . import megatron_lm_checkpoint
 from .logging import print_rank_0
+from .trust import check_checkpoint_files, check_extra_states
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2  # 2: RNG states as per-rank tensors, no pickled objects
@@ -113,225 +104,6 @@ def read_tracker(root: str):
         raise ConfigError(f"--load {root}: {path} holds {raw[:32]!r}, not an iteration number; "
                           "fix or delete it (without it the run trains from scratch)")
     return int(text)
-
-
-# --- restricted unpickling --------------------------------------------------------------------
-
-class _Refused(Exception):
-    """What a checked pickle holds that is not allowed."""
-
-
-class _Stub:
-    """Stands for a tensor or storage while a torch payload is checked: nothing is rebuilt."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-
-def _stub(*args, **kwargs):
-    return _Stub()
-
-
-def _dcp_classes() -> dict:
-    """torch.distributed.checkpoint's metadata classes (those this torch version has)."""
-    from torch.distributed.checkpoint import filesystem, metadata, planner
-
-    names = {
-        metadata: ("Metadata", "StorageMeta", "MetadataIndex", "BytesStorageMetadata",
-                   "TensorStorageMetadata", "TensorProperties", "ChunkStorageMetadata",
-                   "_MEM_FORMAT_ENCODING"),
-        planner: ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData",
-                  "BytesIOWriteData"),
-        filesystem: ("_StorageInfo", "_StoragePrefix"),
-    }
-    return {(module.__name__, name): getattr(module, name)
-            for module, attrs in names.items() for name in attrs if hasattr(module, name)}
-
-
-_PLAIN = {
-    ("collections", "OrderedDict"): collections.OrderedDict,
-    ("builtins", "set"): set,
-    ("builtins", "frozenset"): frozenset,
-    ("torch", "Size"): torch.Size,
-    ("torch", "device"): torch.device,
-}
-# torch.save's tensor pickles: checked with stubs, so no rebuild code runs while checking.
-_TENSOR_REBUILD = {("torch._utils", "_rebuild_tensor_v2"): _stub}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Builds only allowed globals; `storages` admits torch.save's storage references."""
-
-    def __init__(self, file, allowed: dict, storages: bool):
-        super().__init__(file)
-        self._allowed = allowed
-        self._storages = storages
-
-    def find_class(self, module, name):
-        if (module, name) in self._allowed:
-            return self._allowed[(module, name)]
-        if module == "torch":
-            value = torch.__dict__.get(name)  # dtypes, layouts, memory formats: plain values
-            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
-                return value
-            if self._storages and name.endswith("Storage") and isinstance(value, type):
-                return _Stub
-        raise _Refused(f"a pickled {module}.{name}")
-
-    def persistent_load(self, pid):
-        if (self._storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and pid[1] is _Stub and all(isinstance(x, str) for x in pid[2:4])
-                and isinstance(pid[4], int)):
-            return _Stub()
-        raise _Refused(f"a pickled persistent reference {str(pid)[:80]!r}")
-
-
-def _unpickle(data: bytes, allowed: dict, storages: bool = False):
-    return _RestrictedUnpickler(io.BytesIO(data), allowed, storages).load()
-
-
-def _check_torch_payload(data: bytes) -> None:
-    """A `torch.save` zip: every pickle in it may hold only tensors and plain values."""
-    if not data.startswith(b"PK\x03\x04"):  # torch.load's own test for its zip format
-        raise _Refused("a legacy (non-zip) torch.save pickle")
-    with zipfile.ZipFile(io.BytesIO(data)) as archive:
-        names = archive.namelist()
-        if any(os.path.basename(n) == "constants.pkl" for n in names):
-            raise _Refused("a TorchScript archive")
-        pickles = [n for n in names if n.endswith(".pkl")]
-        if not any(os.path.basename(n) == "data.pkl" for n in pickles):
-            raise _Refused("a zip without data.pkl")
-        for name in pickles:
-            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD}, storages=True)
-
-
-def _refusal(path: str, file: str, what: str, where: str = "") -> ConfigError:
-    origin = ("saved before megatron_ulysses stored RNG states as tensors (they held pickled "
-              "numpy arrays), not written by it, or tampered with") if "'rng_state/" in where \
-        else "not written by megatron_ulysses or tampered with"
-    return ConfigError(
-        f"--load {path}: refusing to load {file}{where}: it holds {what}, and unpickling it "
-        "could run code. Checkpoints may hold only tensors and plain values (numbers, strings, "
-        f"lists, dicts); this one was {origin}")
-
-
-def _corrupt(path: str, file: str, error, where: str = "") -> ConfigError:
-    return ConfigError(f"--load {path}: {file}{where} is not a valid checkpoint file "
-                       f"({type(error).__name__}: {error})")
-
-
-def _checked(path, file, check, data, where=""):
-    try:
-        return check(data)
-    except _Refused as refused:
-        raise _refusal(path, file, str(refused), where) from None
-    except Exception as error:  # truncated or garbage: never reaches the real unpickler
-        raise _corrupt(path, file, error, where) from None
-
-
-def _check_bytes_items(path: str, metadata_file: str, metadata) -> None:
-    """Every BytesIO item `metadata_file` lists (DCP unpickles them with weights_only=False)."""
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
-
-    if not (isinstance(metadata, Metadata) and isinstance(metadata.state_dict_metadata, dict)
-            and isinstance(metadata.storage_data, dict)):
-        raise _corrupt(path, metadata_file, TypeError("not a torch.distributed.checkpoint "
-                                                      "Metadata"))
-    base = os.path.dirname(metadata_file)
-    items = collections.defaultdict(list)
-    for index, info in metadata.storage_data.items():
-        fqn = getattr(index, "fqn", None)
-        if isinstance(metadata.state_dict_metadata.get(fqn), BytesStorageMetadata) or \
-                fqn not in metadata.state_dict_metadata:
-            relative = getattr(info, "relative_path", None)
-            offset, length = getattr(info, "offset", None), getattr(info, "length", None)
-            if not (isinstance(relative, str) and relative and os.path.basename(relative) ==
-                    relative and relative not in (".", "..") and isinstance(offset, int)
-                    and isinstance(length, int) and offset >= 0 and length >= 0):
-                raise _corrupt(path, metadata_file,
-                               ValueError(f"bad storage entry for {fqn!r}: {info!r}"))
-            if getattr(info, "transform_descriptors", None):
-                raise ConfigError(f"--load {path}: {metadata_file} stores {fqn!r} through "
-                                  f"stream transforms {info.transform_descriptors!r}, which "
-                                  "this package neither writes nor checks; refusing to load")
-            items[relative].append((offset, length, fqn))
-    for relative, entries in items.items():
-        file = os.path.join(base, relative)
-        if not os.path.isfile(file):
-            raise _corrupt(path, metadata_file, FileNotFoundError(f"{file} is missing"))
-        size = os.path.getsize(file)
-        with open(file, "rb") as stream:
-            for offset, length, fqn in sorted(entries):
-                where = f" (item {fqn!r}, bytes {offset}..{offset + length})"
-                if offset + length > size:
-                    raise _corrupt(path, file, EOFError(f"the file has {size} bytes"), where)
-                stream.seek(offset)
-                _checked(path, file, _check_torch_payload, stream.read(length), where)
-
-
-def check_checkpoint_files(path: str) -> None:
-    """Raise `ConfigError` unless every file megatron-core would unpickle from the checkpoint
-    directory `path` holds only tensors and plain values (see the module docstring)."""
-    config_file = os.path.join(path, "metadata.json")
-    try:
-        with open(config_file, "rb") as f:
-            config = json.loads(f.read(1 << 16))
-    except FileNotFoundError:
-        raise ConfigError(f"--load {path} is not a torch_dist checkpoint: it has no "
-                          "metadata.json") from None
-    except ValueError as error:
-        raise _corrupt(path, config_file, error) from None
-    if not (isinstance(config, dict) and config.get("sharded_backend") == "torch_dist"
-            and config.get("common_backend", "torch") == "torch"):
-        raise ConfigError(f"--load {path}: {config_file} holds {str(config)[:200]}; only "
-                          "torch_dist checkpoints (sharded_backend torch_dist) can be loaded")
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise ConfigError(f"--load {path} is not a complete torch_dist checkpoint: it has no "
-                          ".metadata file")
-    dcp_allowed = {**_PLAIN, **_dcp_classes(),
-                   ("torch.serialization", "_get_layout"): torch.serialization._get_layout}
-    for directory, _, files in os.walk(path):
-        for name in sorted(files):
-            file = os.path.join(directory, name)
-            if name.endswith(".metadata"):
-                with open(file, "rb") as f:
-                    metadata = _checked(path, file, lambda d: _unpickle(d, dcp_allowed),
-                                        f.read())
-                _check_bytes_items(path, file, metadata)
-            elif name.endswith(".pt"):
-                with open(file, "rb") as f:
-                    _checked(path, file, _check_torch_payload, f.read())
-
-
-# What a checkpoint may lack: TE attention's `_extra_state` (FP8 metadata; none without FP8), absent
-# from checkpoints of the sdpa / local backends, e.g. tools/convert_hf.py's on a CPU node.
-_OPTIONAL_KEYS = re.compile(r".*core_attention\.backend_attention\.(.+\.)?_extra_state(/.*)?")
-
-
-def _check_missing(path: str, keys) -> None:
-    """Keys this run's model and optimizer have and the checkpoint lacks: one `ConfigError`
-    unless all are `_OPTIONAL_KEYS`."""
-    missing = sorted(key for key in keys if not _OPTIONAL_KEYS.fullmatch(key))
-    if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
-                                          else "")
-        raise ConfigError(f"--load {path} lacks {len(missing)} entries this model has ({shown}): "
-                          "it was saved by another model or layer spec")
-
-
-def _check_extra_states(path: str, state, prefix: str = "") -> None:
-    """Transformer Engine unpickles non-empty `_extra_state` byte tensors (pickle.loads) in
-    load_state_dict: they may hold only plain values too."""
-    items = state.items() if isinstance(state, dict) else \
-        enumerate(state) if isinstance(state, (list, tuple)) else ()
-    for key, value in items:
-        name = f"{prefix}{key}"
-        if isinstance(value, (dict, list, tuple)):
-            _check_extra_states(path, value, name + ".")
-        elif name.endswith("_extra_state") and isinstance(value, torch.Tensor) \
-                and value.dtype == torch.uint8 and value.numel() > 0:
-            data = value.detach().cpu().contiguous().numpy().tobytes()
-            _checked(path, f"{path} (model {name})", lambda d: _unpickle(d, _PLAIN), data)
 
 
 # --- RNG states ---------------------------------------------------------------------------------
@@ -540,6 +312,22 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
 
 # --- load ---------------------------------------------------------------------------------------
 
+# What a checkpoint may lack: TE attention's `_extra_state` (FP8 metadata; none without FP8), absent
+# from checkpoints of the sdpa / local backends, e.g. tools/convert_hf.py's on a CPU node.
+_OPTIONAL_KEYS = re.compile(r".*core_attention\.backend_attention\.(.+\.)?_extra_state(/.*)?")
+
+
+def _check_missing(path: str, keys) -> None:
+    """Keys this run's model and optimizer have and the checkpoint lacks: one `ConfigError`
+    unless all are `_OPTIONAL_KEYS`."""
+    missing = sorted(key for key in keys if not _OPTIONAL_KEYS.fullmatch(key))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                          else "")
+        raise ConfigError(f"--load {path} lacks {len(missing)} entries this model has ({shown}): "
+                          "it was saved by another model or layer spec")
+
+
 def _flag(key: str) -> str:
     if key == "padded_vocab_size":
         return ("padded vocab size (from the tokenizer or --vocab-size, "
@@ -589,20 +377,35 @@ def _checkpoint_path(root: str, iteration: int) -> str:
                       "not exist; fix the tracker or --load another directory")
 
 
+def _load_common(path: str):
+    """megatron-core's read of the common state (torch's weights_only unpickler with
+    megatron-core's safe globals, after `check_checkpoint_files`)."""
+    try:
+        return dist_checkpointing.load_common_state_dict(path)
+    except pickle.UnpicklingError as error:  # an admitted class this megatron-core lacks
+        raise ConfigError(f"--load {path}: this megatron-core ({megatron_core_version}) "
+                          f"cannot read its common state: {str(error).splitlines()[0]}") from None
+
+
 def read_common_state(root: str):
     """(iteration, path, common state dict) of the latest checkpoint in `root`, None when there
-    is none; its files are checked for pickled code before megatron-core reads them. Needs no
-    process group."""
+    is none; its files are checked for pickled code before megatron-core reads them. A
+    Megatron-LM checkpoint's common state comes in our layout (`megatron_lm_checkpoint`). Needs
+    no process group."""
     iteration = read_tracker(root)
     if iteration is None:
         return None
     path = _checkpoint_path(root, iteration)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
-    common = dist_checkpointing.load_common_state_dict(path)
+    common = _load_common(path)
+    if megatron_lm_checkpoint.is_megatron_lm(common):
+        return iteration, path, megatron_lm_checkpoint.common_state(
+            path, common, _SAVED_ARGS, OPTIMIZER_METADATA)
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         version = common.get("format_version") if isinstance(common, dict) else None
         raise ConfigError(f"--load {path} has checkpoint format {version}, this version of "
-                          f"megatron_ulysses reads format {FORMAT_VERSION}")
+                          f"megatron_ulysses reads format {FORMAT_VERSION} and Megatron-LM's "
+                          "torch_dist checkpoints")
     return iteration, path, common
 
 
@@ -631,54 +434,84 @@ def read_checkpoint_args(root: str):
     return saved
 
 
+def _check_resume(path: str, iteration: int, common: dict, config, model_only: bool) -> dict:
+    """The checkpoint's saved args (returned) against this run's, its iteration against the
+    tracker's and, when resuming training, against --train-iters."""
+    saved_args = common.get("args")
+    saved_args = saved_args if isinstance(saved_args, dict) else {}
+    _check_args(path, saved_args, _saved_args(config))
+    saved_iteration = common.get("iteration")
+    if saved_iteration != iteration:
+        raise ConfigError(f"--load {path} holds iteration {saved_iteration}, but {TRACKER} "
+                          f"names {iteration}")
+    train_iters = config.training.train_iters
+    if not model_only and iteration > train_iters:
+        samples = iteration * config.training.global_batch_size
+        raise ConfigError(f"--train-iters ({train_iters}) is smaller than the iteration "
+                          f"of the checkpoint at --load {path} ({iteration}); give "
+                          f"--train-iters {iteration} or more (--train-samples {samples} or "
+                          f"more) or --finetune")
+    return saved_args
+
+
+def _rng_states_to_load(path: str, common: dict, seed: int):
+    """This rank's RNG tensors (names and shapes) for the load to overwrite, or None with a
+    warning when the checkpoint was saved at another layout (its states are per rank)."""
+    rng_states = _rng_tensors()
+    saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
+    if saved_layout == layout:
+        return rng_states
+    if common.get("saved_by") == megatron_lm_checkpoint.SAVED_BY:
+        why = ("it was saved by Megatron-LM, whose RNG states are one per TP x PP rank, seeded "
+               "without Ulysses SP ranks")
+    elif isinstance(saved_layout, dict) and all(
+            saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
+        why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "
+               f"this run's {sorted(layout['states'])}")
+    else:
+        try:
+            why = f"it was saved at {_describe(saved_layout)}"
+        except (TypeError, KeyError, ZeroDivisionError):
+            why = "it holds no usable RNG layout"
+    print_rank_0(f" WARNING: --load {path}: {why}, this run is {_describe(layout)}: "
+                 "RNG states are per rank and are not restored; this run keeps the "
+                 f"RNG states seeded from --seed {seed}")
+    return None
+
+
+def _load_scheduler(path: str, scheduler, state: dict) -> None:
+    try:
+        scheduler.load_state_dict(state)
+    except AssertionError as error:  # megatron-core's check of flags vs checkpoint
+        raise ConfigError(
+            f"--load {path}: the LR schedule of the flags differs from the checkpoint's "
+            f"({error}); pass --override-opt_param-scheduler to use the flags or "
+            "--use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, config):
     """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
     when there is none. `--finetune` loads the model only and restarts at 0; `optimizer` None
     loads the model only, at the checkpoint's iteration (--skip-train). Every problem with the
     checkpoint is one `ConfigError` naming --load. `config`: the `RunConfig`."""
-    flags, run = config.checkpoint, _saved_args(config)
+    flags = config.checkpoint
     found = read_common_state(root)
     if found is None:
         print_rank_0(f" WARNING: no checkpoint at --load {root} ({TRACKER} missing); "
                      "training from scratch")
         return 0, 0
     iteration, path, common = found
-    saved_args = common.get("args")
-    _check_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
-    saved_iteration = common.get("iteration")
-    if saved_iteration != iteration:
-        raise ConfigError(f"--load {path} holds iteration {saved_iteration}, but {TRACKER} "
-                          f"names {iteration}")
     model_only = optimizer is None or flags.finetune
-    train_iters = config.training.train_iters
-    if optimizer is not None and not flags.finetune and iteration > train_iters:
-        samples = iteration * config.training.global_batch_size
-        raise ConfigError(f"--train-iters ({train_iters}) is smaller than the iteration "
-                          f"of the checkpoint at --load {path} ({iteration}); give "
-                          f"--train-iters {iteration} or more (--train-samples {samples} or "
-                          f"more) or --finetune")
-
+    saved_args = _check_resume(path, iteration, common, config, model_only)
     with_optimizer = not (model_only or flags.no_load_optim)
     if with_optimizer:
-        _check_optimizer_args(path, saved_args if isinstance(saved_args, dict) else {}, run)
+        _check_optimizer_args(path, saved_args, _saved_args(config))
+        if common.get("optimizer_refusal"):
+            raise ConfigError(f"--load {path}: {common['optimizer_refusal']}; pass "
+                              "--no-load-optim to load the weights only (Adam moments restart)")
     rng_states = None
     if not (model_only or flags.no_load_rng):
-        rng_states = _rng_tensors()  # this run's names and shapes, overwritten by the load
-        saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
-        if saved_layout != layout:
-            if isinstance(saved_layout, dict) and all(
-                    saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
-                why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "
-                       f"this run's {sorted(layout['states'])}")
-            else:
-                try:
-                    why = f"it was saved at {_describe(saved_layout)}"
-                except (TypeError, KeyError, ZeroDivisionError):
-                    why = "it holds no usable RNG layout"
-            print_rank_0(f" WARNING: --load {path}: {why}, this run is {_describe(layout)}: "
-                         "RNG states are per rank and are not restored; this run keeps the "
-                         f"RNG states seeded from --seed {config.training.seed}")
-            rng_states = None
+        rng_states = _rng_states_to_load(path, common, config.training.seed)
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
     with _quiet_torch_checkpoint():
@@ -686,21 +519,15 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
         loaded, _, missing = dist_checkpointing.load(state, path,
                                                      strict=StrictHandling.RETURN_ALL)
     _check_missing(path, missing)
-    _check_extra_states(path, loaded["model"])
+    check_extra_states(path, loaded["model"])
     gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
     _check_missing(path, gpt.load_state_dict(loaded["model"], strict=False).missing_keys)
     if with_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
-        try:
-            scheduler.load_state_dict(loaded["opt_param_scheduler"])
-        except AssertionError as error:  # megatron-core's check of flags vs checkpoint
-            raise ConfigError(
-                f"--load {path}: the LR schedule of the flags differs from the checkpoint's "
-                f"({error}); pass --override-opt_param-scheduler to use the flags or "
-                "--use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
+        _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
     if rng_states is not None:
         _set_rng_tensors({name: tensor[0] for name, tensor in loaded["rng_state"].items()})
     print_rank_0(f" loaded checkpoint from {path} at iteration {iteration}")
     if flags.finetune:
         return 0, 0
-    return iteration, loaded["consumed_samples"]
+    return iteration, common["consumed_samples"]

@@ -3,7 +3,8 @@ gloo on CUDA tensors (NCCL refuses two ranks on one GPU; gloo's all_to_all_singl
 sub-groups work on CUDA). The only check of the TE path at P > 1 until multi-GPU machines exist.
 
 - UlyssesAttention (TE DotProductAttention, bf16) at P = 2 and 4, MHA, G >= P, G < P (kv heads
-  replicated) and packed documents (THD), against plain fp32 attention on the whole sequence.
+  replicated), uneven heads (7/7, 14/2) and packed documents (THD), against plain fp32 attention
+  on the whole sequence.
 - A whole GPTModel with the TE layer spec (RoPE, GQA 8/2, SwiGLU, RMSNorm, 2 layers): loss and
   every gradient (summed over DP x SP with plain all_reduce, divided by the global token count)
   at DP 2 x SP 2 and SP 4 equal the same model at SP = 1, in bf16 and in fp32; also on packed
@@ -81,7 +82,9 @@ def _attention_cases(rank, world_size):
     p, r, d = world_size, ps.get_ulysses_sp_rank(), 64
     worst = 0.0
     try:
-        for heads, groups in [(8, 8), (8, 4), (8, 2), (8, 1)]:
+        # Even: MHA, G >= P, G < P; uneven (H % P != 0): MHA with H/P < P at P 4, GQA whose
+        # kv heads span ranks (kv heads repeated into equal runs on rank 1 at P 4).
+        for heads, groups in [(8, 8), (8, 4), (8, 2), (8, 1), (7, 7), (14, 2)]:
             config = TransformerConfig(num_layers=1, hidden_size=heads * d,
                                        num_attention_heads=heads, num_query_groups=groups,
                                        kv_channels=d, attention_dropout=0.0, hidden_dropout=0.0,

@@ -12,7 +12,8 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("parallelism")
     g.add_argument("--ulysses-sp-size", type=int, default=1,
                    help="Ulysses SP size P: one sequence is split over P ranks (taken out of "
-                   "data parallelism); attention heads must divide by TP x P.")
+                   "data parallelism); SP rank r gets ceil or floor of (heads / TP) / P "
+                   "heads, so P may be up to --num-attention-heads / TP.")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
 
