@@ -12,6 +12,7 @@ import torch
 from .. import parallel_state as ps
 from .. import rng
 from ..vocab import padded_vocab_size
+from .checkpoint_saver import CheckpointSaver
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
@@ -99,11 +100,12 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     if progress:
         append_progress(checkpoint.save, "Starting job")
     job_start = consumed
+    saver = CheckpointSaver(checkpoint)
 
     def save():
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
-                            consumed, extra_common)
+                            consumed, extra_common, saver)
         if progress:
             append_progress(checkpoint.save, _progress_line(config, logger, iteration, consumed,
                                                             job_start))
@@ -116,6 +118,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
         iteration += 1
         consumed += training.global_batch_size
         saved = False
+        saver.finalize()  # commits an async save whose write is done
         logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
                              grad_norm, optimizer.get_loss_scale(), skipped=not ok,
                              num_zeros=num_zeros)
@@ -136,6 +139,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
             break
     if checkpoint.save and not saved:
         save()
+    saver.close()
     logger.close()
 
 
@@ -144,7 +148,8 @@ def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
     """progress.txt's line after a save (Megatron-LM's, without its cumulative throughput over
     earlier jobs)."""
     flops = logger.flops_per_sample * consumed
-    return (f"Saved checkpoint\tIteration: {iteration}\t"
+    saved = "Saving async checkpoint" if config.checkpoint.async_save else "Saved checkpoint"
+    return (f"{saved}\tIteration: {iteration}\t"
             f"Job throughput: {logger.job_throughput(consumed - job_start):.1f} TFLOP/s/GPU\t"
             f"Floating-point operations: {flops:.2e}\t"
             f"Tokens (in billions): {consumed * config.model.seq_length / 10**9:.2f}")
