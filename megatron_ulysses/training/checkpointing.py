@@ -313,6 +313,8 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
         dist.barrier()
         if rank == 0:
             _commit(root, iteration, staging)
+            if flags.async_save and flags.log_progress:
+                append_progress(root, f"Saved async checkpoint\tIteration: {iteration}")
             _retain(root, previous, iteration, flags)
         dist.barrier()
         print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "

@@ -156,8 +156,8 @@ def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
 
 
 def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int):
-    """One optimizer step -> (loss, grad norm, applied, zero gradients); a NaN / Inf stops the run with what to
-    resume from and what to change."""
+    """One optimizer step -> (loss, grad norm, applied, zero gradients); a NaN / Inf stops the
+    run with what to resume from and what to change."""
     model, optimizer, scheduler = built
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,

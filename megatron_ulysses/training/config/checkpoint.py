@@ -148,6 +148,7 @@ def _validate_save(args, ctx: Context) -> None:
         if unused:
             ctx.warnings.append(f"{', '.join(flag_name(f) for f in unused)} without --save: "
                                 "no checkpoints are written (as in Megatron-LM)")
+        args.async_save = False
         return
     if args.save_retain_interval is not None:
         require(args.save_interval is not None and
