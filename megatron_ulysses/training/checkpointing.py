@@ -496,11 +496,11 @@ def _rng_states_to_load(path: str, common: dict, seed: int):
     saved_layout, layout = common.get("rng_layout"), _rng_layout(rng_states)
     if saved_layout == layout:
         return rng_states
-    if saved_layout is None and "rng_layout" in common:
-        why = "it was saved with --no-save-rng"
-    elif common.get("saved_by") == megatron_lm_checkpoint.SAVED_BY:
+    if common.get("saved_by") == megatron_lm_checkpoint.SAVED_BY:
         why = ("it was saved by Megatron-LM, whose RNG states are one per TP x PP rank, seeded "
                "without Ulysses SP ranks")
+    elif saved_layout is None and "rng_layout" in common:
+        why = "it was saved with --no-save-rng"
     elif isinstance(saved_layout, dict) and all(
             saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
         why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "

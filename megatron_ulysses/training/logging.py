@@ -95,10 +95,9 @@ def timers_to_log(level: int):
 def params_l2_norm(model) -> float:
     """L2 norm of all parameters, each counted once: TP-sharded ones summed over TP x PP,
     shared and TP-duplicated ones once (DP x SP replicas are equal, so not summed over)."""
-    squares = torch.zeros(1, dtype=torch.float64)
-    for param in model.parameters():
-        if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-            squares += param.detach().double().pow(2).sum().cpu()
+    counted = [param.detach().double().pow(2).sum() for param in model.parameters()
+               if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)]
+    squares = torch.stack(counted).sum().reshape(1).cpu()  # one device sync
     if dist.is_initialized():
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
     return math.sqrt(squares.item())
