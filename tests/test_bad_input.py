@@ -87,7 +87,11 @@ PARSE = [
     (BASE + ["--lr-warmup-iters", "2"],
      ["--lr-warmup-iters (2 iterations) must be < --lr-decay-iters (default --train-iters) (2)"]),
     (NO_ITERS + ["--train-samples", "8", "--global-batch-size", "4", "--lr-warmup-iters", "2"],
-     ["--lr-decay-iters (default --train-samples 8 / --global-batch-size) (2)"]),
+     ["--lr-warmup-iters goes with --train-iters; with --train-samples give "
+      "--lr-warmup-samples"]),
+    (NO_ITERS + ["--train-samples", "8", "--global-batch-size", "4", "--lr-warmup-samples",
+                 "8"], ["--lr-warmup-samples (8 samples) must be < --lr-decay-samples (default "
+                        "--train-samples) (8)"]),
     (BASE + ["--lr-warmup-iters", "5", "--lr-decay-iters", "3"],
      ["--lr-warmup-iters (5 iterations) must be < --lr-decay-iters (3)"]),
     (BASE + ["--lr-warmup-iters=-1"], ["--lr-warmup-iters must be >= 0, got -1"]),
@@ -395,10 +399,10 @@ def test_rope_fusion_is_off_where_te_kernel_offsets_overflow(seq, sp, mbs, fused
 
 def test_an_unknown_flag_is_one_line_naming_it(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(BASE + ["--rampup-batch-size", "2", "2", "8"], world_size=1)
+        parse_args(BASE + ["--no-such-flag", "2", "2", "8"], world_size=1)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "unrecognized arguments: --rampup-batch-size 2 2 8" in err, err
+    assert err.count("\n") == 1 and "unrecognized arguments: --no-such-flag 2 2 8" in err, err
 
 
 @pytest.mark.parametrize("flags, groups", [

@@ -34,6 +34,8 @@ import torch.multiprocessing as mp
 
 from distributed import spawn
 
+from megatron_ulysses.errors import ConfigError
+
 SAVED_AT, CONSUMED = 3, 12
 BASE = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4",
         "--seq-length", "16", "--micro-batch-size", "1", "--global-batch-size", "2",
@@ -63,8 +65,7 @@ def _build(world: int, *flags: str):
                                  builders.transformer_config(config.model, config.dims))
     optimizer = build_optimizer(config.optimizer, config.model, model)
     optimizer.step()  # zero gradients: Adam states exist, as in a checkpoint of a real run
-    return config, model, optimizer, builders.build_scheduler(config.optimizer,
-                                                              config.training, optimizer)
+    return config, model, optimizer, builders.build_scheduler(config.optimizer, optimizer)
 
 
 def _teardown():
@@ -258,6 +259,17 @@ def _plant(kind: str, ckpt: str, marker) -> str:
 ATTACKS = ("common.pt", ".metadata", "rng ShardedObject", "layer _extra_state")
 
 
+def _forge_record(ckpt: str) -> None:
+    """What an attacker who rewrites files does to the integrity record too (a checksum, not a
+    signature): every file's size and CRC-32 as they are now."""
+    from megatron_ulysses.training import save_guard
+
+    files = {name: save_guard._describe(os.path.join(ckpt, name))
+             for name in save_guard._files(ckpt)}
+    with open(os.path.join(ckpt, save_guard.RECORD), "w") as f:
+        json.dump({"format": save_guard.RECORD_FORMAT, "algorithm": "crc32", "files": files}, f)
+
+
 def _load_each(rank, world, roots, report):
     from megatron_ulysses.training.arguments import ConfigError
 
@@ -286,6 +298,7 @@ def attacked(tmp_path_factory):
         shutil.copytree(base, root)
         marker = tmp / f"marker{number}"
         expected[kind] = (marker, _plant(kind, str(root / "iter_0000003"), marker))
+        _forge_record(str(root / "iter_0000003"))
         roots[kind] = str(root)
     spawn(_load_each, 1, roots, str(tmp / "report.json"))
     messages = json.loads((tmp / "report.json").read_text())
@@ -419,7 +432,7 @@ def _fsync_order_case(rank, world, root):
 
     build = _build(world)
     final = os.path.join(root, "iter_0000003")
-    staging, old = final + ".tmp", final + ".old"
+    old = final + ".old"
     tracker = os.path.join(root, "latest_checkpointed_iteration.txt")
     with mock.patch.object(os, "fsync", logged_fsync), \
             mock.patch.object(os, "replace", logged_replace):
@@ -427,7 +440,9 @@ def _fsync_order_case(rank, world, root):
             events.clear()
             _save(root, build)
             synced = [event[1] for event in events if event[0] == "fsync"]
-            move_in = events.index(("replace", staging, final))
+            move_in, staging = next((i, e[1]) for i, e in enumerate(events)
+                                    if e[0] == "replace" and e[2] == final)
+            assert staging.startswith(final + ".tmp.")  # job-unique
             synced_before = {event[1] for event in events[:move_in] if event[0] == "fsync"}
             for directory, _, files in os.walk(final):
                 staged = staging + directory[len(final):]
@@ -460,11 +475,11 @@ def _killed_resave(rank, world, root, weights_file):
     _save(root, build)
     torch.save(_weights(build[1]), weights_file)
     _shift_weights(build[1], 1.0)
-    staging = os.path.join(root, "iter_0000003.tmp")
+    staging = os.path.join(root, "iter_0000003.tmp.")
     replace = os.replace
 
     def dying_replace(src, dst, **kwargs):
-        if os.fspath(src) == staging:
+        if os.fspath(src).startswith(staging):
             raise Killed("killed between the renames")
         return replace(src, dst, **kwargs)
 
@@ -473,6 +488,9 @@ def _killed_resave(rank, world, root, weights_file):
 
 
 def _recover(rank, world, root, weights_file):
+    from megatron_ulysses.training.save_guard import lock_save_dir
+
+    lock_save_dir(root)  # as pretrain() does: the lock holder removes crashed saves' debris
     build = _build(world)
     (iteration, consumed), printed = _load(root, build)
     assert (iteration, consumed) == (SAVED_AT, CONSUMED)
@@ -482,7 +500,8 @@ def _recover(rank, world, root, weights_file):
     _shift_weights(build[1], 2.0)
     newer = _weights(build[1])
     _save(root, build)  # the same iteration again: cleans up the debris
-    assert sorted(os.listdir(root)) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(root)) == [".lock", "iter_0000003",
+                                        "latest_checkpointed_iteration.txt"]
     _shift_weights(build[1], 1.0)
     _load(root, build)
     _assert_weights(build[1], newer)
@@ -542,3 +561,39 @@ def test_cli_reports_load_errors_as_one_message(tmp_path):
         f"pretrain_gpt.py: error: --load {evil}/iter_0000002: refusing to load {offending}: it "
         "holds a pickled posix.system")
     assert not marker.exists()
+
+
+def _extra_state(state) -> dict:
+    """A layer's `_extra_state` as Transformer Engine writes it: pickle.dumps of its FP8 state."""
+    return {"layer._extra_state": torch.frombuffer(bytearray(pickle.dumps(state)),
+                                                   dtype=torch.uint8)}
+
+
+def test_te_fp8_extra_state_is_admitted_and_a_payload_in_its_tensors_is_not(tmp_path):
+    """TE's FP8 extra state holds CPU tensors (pickled through torch.storage._load_from_bytes,
+    whose bytes torch.load reads with its full unpickler) and its recipe: the tensors pass, and
+    a payload hidden in those storage bytes is refused, never run."""
+    from megatron_ulysses.training.trust import check_extra_states
+
+    fp8_state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
+                 "extra_fp8_variables": {"num_gemms": 3, "fp8_checkpoint": True}}
+    check_extra_states("ckpt", _extra_state(fp8_state))
+
+    marker = tmp_path / "ran"
+    for legacy in (False, True):  # the storage's own format, and the zip format
+        inner = io.BytesIO()
+        torch.save({"evil": Payload(marker)}, inner, _use_new_zipfile_serialization=not legacy)
+        smuggled = _extra_state({"scale_fwd": _FromBytes(inner.getvalue())})
+        with pytest.raises(ConfigError, match="_extra_state"):
+            check_extra_states("ckpt", smuggled)
+    assert not marker.exists()
+
+
+class _FromBytes:
+    """Pickles as `torch.storage._load_from_bytes(data)`, as a CPU storage does."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __reduce__(self):
+        return torch.storage._load_from_bytes, (self.data,)

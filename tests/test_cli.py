@@ -140,9 +140,10 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
                           "--exit-interval", "4"))
     assert sorted(first) == [1, 2, 3, 4]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "4"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000004",
+                                        "latest_checkpointed_iteration.txt"]
 
-    crashed = ckpt / "iter_0000008.tmp"  # what a crash in the middle of a save leaves
+    crashed = ckpt / "iter_0000008.tmp.123-4567"  # what a crash in the middle of a save leaves
     crashed.mkdir()
     (crashed / "half_written").write_bytes(b"\0" * 10)
 
@@ -150,7 +151,7 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
     resumed = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--load", str(ckpt),
                             "--save", str(ckpt)))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
-    assert sorted(os.listdir(ckpt)) == ["iter_0000004", "iter_0000008",
+    assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000004", "iter_0000008",
                                         "latest_checkpointed_iteration.txt"]
     for run in (resumed, other_sp):
         assert sorted(run) == [5, 6, 7, 8]
@@ -369,7 +370,8 @@ def test_megatron_lm_compatibility_flags():
     with pytest.raises(ConfigError, match="--exit-duration-in-mins saves before exiting: it "
                        "needs --save"):
         parse_args(BASE + ["--exit-duration-in-mins", "10"], world_size=1)
-    assert args.optimizer.lr_warmup_iters == 1  # half of --lr-decay-iters = --train-iters 2
+    # half of --lr-decay-iters = --train-iters 2, in samples of the global batch (1)
+    assert args.optimizer.lr_warmup_steps == 1
     i = BASE.index("--train-iters")
     argv = BASE[:i] + BASE[i + 2:] + ["--train-samples", "10", "--global-batch-size", "5"]
     assert parse_args(argv, world_size=1).training.train_iters == 2

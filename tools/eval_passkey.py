@@ -54,6 +54,12 @@ _TRAINING_ONLY = {
     "reset_attention_mask": False, "eod_mask_loss": False, "save": None,
     "save_interval": None, "no_load_optim": True, "finetune": True,
     "offload_activations": False, "skip_train": False,
+    "lr_warmup_samples": None, "lr_decay_samples": None, "lr_warmup_init": None,
+    "lr_wsd_decay_iters": None, "lr_wsd_decay_samples": None, "decoupled_lr": None,
+    "decoupled_min_lr": None, "start_weight_decay": None, "end_weight_decay": None,
+    "weight_decay_incr_style": None, "rampup_batch_size": None, "step_batch_size_schedule": None,
+    "eval_micro_batch_size": None, "eval_global_batch_size": None, "profile": False,
+    "check_weight_hash_across_dp_replicas_interval": None,
 }
 
 

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import numpy
 import torch
 
+from ..processes import helpers_keep_sigterm_blocked
+
 SPLIT_NAMES = ("train", "valid", "test")
 
 
@@ -427,4 +429,5 @@ def build_data_iterator(
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(consumed_samples),
     )
-    return iter(loader)
+    with helpers_keep_sigterm_blocked():  # the workers: a job's SIGTERM is the trainer's to handle
+        return iter(loader)

@@ -14,7 +14,7 @@ from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
 from .config import (checkpoint, compat, data, fusions, logging, memory, model, optimizer,
-                     parallel, training)
+                     parallel, performance, pipeline, training)
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
@@ -22,8 +22,10 @@ from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 
 # Each flag alone first (after the flags every check needs), then the sections' rules: data
 # first, since missing files are what a user fixes first; then the rules between sections.
-_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint)
-_RULES = (data, model, memory, fusions, training, optimizer, parallel, checkpoint, logging)
+_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint, performance,
+                 pipeline)
+_RULES = (data, model, memory, fusions, training, optimizer, parallel, checkpoint, logging,
+          performance, pipeline)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,7 +46,8 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     )
     parallel.add_arguments(parser)
     model.add_arguments(parser, model_flags_required)
-    for section in (memory, fusions, training, optimizer, data, logging, checkpoint, compat):
+    for section in (memory, fusions, training, optimizer, data, logging, checkpoint, compat,
+                    performance, pipeline):
         section.add_arguments(parser)
     return parser
 

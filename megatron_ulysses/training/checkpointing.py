@@ -3,10 +3,12 @@ every rank's RNG states, iteration, consumed samples and the model arguments.
 
 Layout (Megatron-LM's): `<save>/iter_0000100/` and `<save>/latest_checkpointed_iteration.txt`.
 
-Durability. A save goes to `iter_0000100.tmp/`; when every rank has written, each rank fsyncs the
-shard files it wrote (`__<rank>_*.distcp`) and rank 0 the other files and the directories; then
-rank 0 renames an existing `iter_0000100/` aside (`.old`), renames the new one in, fsyncs `<save>`,
-replaces the tracker (write, fsync, rename, fsync) and only then deletes the old directory. A
+Durability. A save goes to a job-unique `iter_0000100.tmp.<pid>-<random>/` (`save_guard`); when
+every rank has written, each rank fsyncs the shard files it wrote (`__<rank>_*.distcp`) and rank 0
+the other files and the directories, the ranks record every file's size and CRC-32
+(`integrity.json`, checked before a load: `save_guard`); then rank 0 renames an existing
+`iter_0000100/` aside (`.old`), renames the new one in, fsyncs `<save>`, replaces the tracker
+(write, fsync, rename, fsync) and only then deletes the old directory. A
 crash at any point leaves the tracker pointing at a complete checkpoint: in the one window where
 `iter_0000100/` is missing (between the two renames) the loader takes `iter_0000100.old/`.
 
@@ -30,12 +32,15 @@ states restart from --seed.
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
+import math
 import os
 import pickle
 import random
 import re
 import shutil
+import time
 import warnings
 
 import numpy as np
@@ -45,6 +50,7 @@ from megatron.core import __version__ as megatron_core_version
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
+from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
@@ -57,8 +63,9 @@ from megatron.core.dist_checkpointing.validation import (
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
+from .. import processes
 from ..errors import ConfigError, flag_name
-from . import megatron_lm_checkpoint
+from . import megatron_lm_checkpoint, save_guard
 from .checkpoint_saver import CheckpointSaver
 from .logging import append_progress, print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
@@ -89,7 +96,6 @@ _SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
     "vocab_size")
-_SHARD_FILE = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -197,8 +203,7 @@ def _fsync_tree(staging: str, rank: int) -> None:
     for directory, _, files in os.walk(staging):
         directories.append(directory)
         for name in files:
-            match = _SHARD_FILE.fullmatch(name)
-            if (int(match.group(1)) == rank) if match else rank == 0:
+            if save_guard.owns(name, rank):
                 _fsync(os.path.join(directory, name))
     if rank == 0:
         for directory in reversed(directories):
@@ -268,6 +273,21 @@ def _saved_args(config) -> dict:
     return {key: values[key] for key in _SAVED_ARGS}
 
 
+def _checkpoint_bytes(root: str, state) -> int:
+    """About what a save of `state` writes, for an out-of-space message: the last checkpoint's
+    files in `root`, else the tensors' bytes (each once, whole; files add headers)."""
+    try:
+        last = read_tracker(root)
+        if last is not None:
+            path = checkpoint_dir(root, last)
+            return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+    except (OSError, ConfigError):
+        pass
+    shapes = {t.key: (t.global_shape, t.data.element_size()) for t in nested_values(state)
+              if isinstance(t, ShardedTensor)}
+    return sum(math.prod(shape) * size for shape, size in shapes.values())
+
+
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
                     consumed_samples: int, extra_common: dict = None,
                     saver: CheckpointSaver = None) -> None:
@@ -275,18 +295,14 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     `config`: the `RunConfig` (the shape and optimizer values a load checks); `extra_common`:
     more plain values for the common state (tools/convert_hf.py's "hf_config"); `saver`: what
     persists between the run's saves (with --async-save this returns once the write started and
-    `saver.finalize` commits it)."""
+    `saver.finalize` commits it). An I/O error while writing is one `save_guard.SaveError`, the
+    committed checkpoints untouched."""
+    start = time.time()
     flags = config.checkpoint
     saver = saver or CheckpointSaver(flags)
     saver.finalize(blocking=True)  # the previous async save is committed first
-    staging = checkpoint_dir(root, iteration) + ".tmp"
     rank = dist.get_rank()
     previous = read_tracker(root) if rank == 0 else None  # --save-retain-interval's candidate
-    if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)  # left by a crash during an earlier save
-        os.makedirs(staging)
-    dist.barrier()
     rng_states = None if flags.no_save_rng else _rng_tensors()
     common = _plain({
         "format_version": FORMAT_VERSION, "iteration": iteration,
@@ -300,45 +316,63 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
                                 with_optimizer=not flags.no_save_optim,
                                 rng_states=rng_states, common=common)
+    final = checkpoint_dir(root, iteration)
+    needed = lambda: _checkpoint_bytes(root, state)  # noqa: E731 (only asked after a failure)
     validate = saver.validate_structure
-    with _quiet_torch_checkpoint():
-        request = dist_checkpointing.save(
-            state, staging, sharded_strategy=saver.strategy(),
-            validate_access_integrity=validate, async_sharded_save=flags.async_save,
-            **({"verify_integrity": True} if flags.verify_integrity else {}))
-
-    def finalize():
-        dist.barrier()
-        _fsync_tree(staging, rank)
-        dist.barrier()
-        if rank == 0:
-            _commit(root, iteration, staging)
-            if flags.async_save and flags.log_progress:
-                append_progress(root, f"Saved async checkpoint\tIteration: {iteration}")
-            _retain(root, previous, iteration, flags)
-        dist.barrier()
-        print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "
-                     f"{checkpoint_dir(root, iteration)}")
-
-    if request is None:
-        finalize()
+    with save_guard.staged_save(root, iteration, final, needed) as staging:
+        commit = functools.partial(_commit_save, root, iteration, staging, previous, flags)
+        # Helpers (megatron-core's Manager, its writers) keep SIGTERM blocked: see processes.
+        with processes.helpers_keep_sigterm_blocked(), _quiet_torch_checkpoint():
+            request = dist_checkpointing.save(
+                state, staging, sharded_strategy=saver.strategy(),
+                validate_access_integrity=validate, async_sharded_save=flags.async_save,
+                **({"verify_integrity": True} if flags.verify_integrity else {}))
+            if request is not None:  # the write goes on in a helper; commit when it is done
+                request.add_finalize_fn(commit)
+                saver.schedule(request)
+        if request is None:
+            commit()
+    if request is not None:
+        print_rank_0(f" started an async save of iteration {iteration} to {staging}")
         return
-    request.add_finalize_fn(finalize)
-    saver.schedule(request)
-    print_rank_0(f" started an async save of iteration {iteration} to {staging}")
+    if config.training.exit_signal_handler:
+        late = processes.save_beyond_grace(time.time() - start)
+        if late:
+            print_rank_0(f" WARNING: {late}")
+
+
+def _commit_save(root: str, iteration: int, staging: str, previous, flags) -> None:
+    """Every rank, once every rank's files are written: fsync, the integrity record, rank 0's
+    rename and tracker update, then --save-retain-interval (an async save's finalize step)."""
+    rank = dist.get_rank()
+    dist.barrier()
+    _fsync_tree(staging, rank)
+    save_guard.seal(staging, rank)  # the files' record, checked before the rename
+    save_guard.on_rank_0(_commit, root, iteration, staging)
+    if rank == 0:
+        if flags.async_save and flags.log_progress:
+            append_progress(root, f"Saved async checkpoint\tIteration: {iteration}")
+        _retain(root, previous, iteration, flags)
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "
+                 f"{checkpoint_dir(root, iteration)}")
 
 
 def _retain(root: str, previous, iteration: int, flags) -> None:
     """Rank 0, after the commit: --save-retain-interval deletes the previous checkpoint unless
     its iteration is a multiple of the interval (Megatron-LM's rule; never the one just
-    written, never a symlink)."""
+    written, never a symlink). A failed delete is a warning, as in Megatron-LM."""
     interval = flags.save_retain_interval
     if interval is None or not previous or previous == iteration or previous % interval == 0:
         return
     path = checkpoint_dir(root, previous)
     if os.path.islink(path) or not os.path.isdir(path):
         return
-    shutil.rmtree(path)
+    try:
+        shutil.rmtree(path)
+    except OSError as error:
+        print(f" WARNING: could not delete {path} (--save-retain-interval {interval}): {error}",
+              flush=True)
+        return
     print(f"  deleted checkpoint from iteration {previous:7d} at {root} "
           f"(--save-retain-interval {interval})", flush=True)
     if flags.log_progress:
@@ -432,7 +466,9 @@ def read_common_state(root: str):
         return None
     path = _checkpoint_path(root, iteration)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
-    common = _load_common(path)
+    save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
+    with save_guard.read_errors_named(path):
+        common = _load_common(path)
     if megatron_lm_checkpoint.is_megatron_lm(common):
         return iteration, path, megatron_lm_checkpoint.common_state(
             path, common, _SAVED_ARGS, OPTIMIZER_METADATA)
@@ -562,6 +598,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
                      "training from scratch")
         return 0, 0
     iteration, path, common = found
+    save_guard.verify_shards(path)  # their CRC-32, before training on them
     model_only = optimizer is None or flags.finetune
     saved_args = _check_resume(path, iteration, common, config, model_only)
     with_optimizer = not (model_only or flags.no_load_optim)
@@ -575,7 +612,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
         rng_states = _rng_states_to_load(path, common, config.training.seed)
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
-    with _quiet_torch_checkpoint():
+    with _quiet_torch_checkpoint(), save_guard.read_errors_named(path):
         # megatron-core's "unexpected": asked for, not in the checkpoint; "missing": the reverse
         loaded, not_loaded, missing = dist_checkpointing.load(
             state, path, sharded_strategy=_load_strategy(path, flags),

@@ -2,6 +2,7 @@
 per configuration error, said by rank 0, and a prompt exit after an error with several ranks."""
 
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +26,9 @@ def report_error(prog: str, error: Exception) -> int:
     rank 0 has written the message; rank 0's exit ends the wait. A rank still alive after it
     (rank 0 did not find the error) says it itself. Returns the exit status, 2."""
     if not is_rank_0():
+        # The run is over: torchrun's SIGTERM, once rank 0 has said it, ends the wait (an
+        # --exit-signal-handler would only note it, and torchrun would wait 30 s to SIGKILL).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         time.sleep(RANK_0_GRACE_S)
     print(f"{prog}: error: {error}", file=sys.stderr, flush=True)
     return 2

@@ -5,6 +5,7 @@ from ..data.batches import Batches
 from ..data.datasets import build_train_valid_test_datasets, check_data_path
 from ..data.tokenizers import build_tokenizer_from, check_for_training
 from ..errors import ConfigError
+from .batch_schedule import samples_after
 from .config import RunConfig
 
 
@@ -28,13 +29,14 @@ def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
     --skip-train: the validation batches from the split's start (the same for every
     checkpoint), one train batch's worth of train samples (never read)."""
     training = config.training
-    gbs = training.global_batch_size
+    gbs, eval_gbs = training.global_batch_size, training.eval_global_batch_size
     if training.skip_train:
-        sizes, valid_consumed = [gbs, training.eval_iters * gbs, 0], 0
+        sizes, valid_consumed = [gbs, training.eval_iters * eval_gbs, 0], 0
     else:
         evaluations = training.train_iters // training.eval_interval + 1
-        sizes = [training.train_iters * gbs, evaluations * training.eval_iters * gbs, 0]
-        valid_consumed = iteration // training.eval_interval * training.eval_iters * gbs
+        train_samples = samples_after(training.train_iters, training.batch_size_schedule, gbs)
+        sizes = [train_samples, evaluations * training.eval_iters * eval_gbs, 0]
+        valid_consumed = iteration // training.eval_interval * training.eval_iters * eval_gbs
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         tokenizer, config.model.seq_length, sizes,
         data_path=list(config.data.data_path) if config.data.data_path else None,
@@ -47,5 +49,6 @@ def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
     train = Batches(train_ds, consumed, mbs, config.data, tokenizer) if train_ds else None
     valid = None
     if valid_ds is not None and training.eval_iters > 0:
-        valid = Batches(valid_ds, valid_consumed, mbs, config.data, tokenizer)
+        valid = Batches(valid_ds, valid_consumed, training.eval_micro_batch_size, config.data,
+                        tokenizer)
     return train, valid

@@ -179,10 +179,13 @@ class TrainingLogger:
         return self.flops_per_sample * consumed_since_start / seconds / 1e12 / self.world_size
 
     def log_iteration(self, iteration: int, consumed_samples: int, loss: float, lr: float,
-                      grad_norm, loss_scale, skipped: bool, num_zeros=None) -> None:
+                      grad_norm, loss_scale, skipped: bool, num_zeros=None,
+                      global_batch_size: int = None) -> None:
         """`grad_norm`, `loss_scale` and `num_zeros` as the optimizer returns them: a float, a
-        0-d tensor (megatron-core 0.19) or None. Every rank calls it (the params norm and the
-        timers are collectives)."""
+        0-d tensor (megatron-core 0.19) or None; `global_batch_size`: this iteration's (a
+        ramp's). Every rank calls it (the params norm and the timers are collectives)."""
+        if global_batch_size is not None:
+            self.global_batch_size = global_batch_size
         if self.first_iteration is None:
             self.first_iteration = iteration - 1
         self.window_iters += 1

@@ -1,6 +1,7 @@
 """The pretraining loop, as a story: check the inputs (`training.inputs`), start the process
 groups, build the model, optimizer and scheduler (`training.model`), resume
-(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`),
+(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`,
+the global batch of `training.batch_schedule`, the run flags' `training.step_hooks` around it),
 log, evaluate, save and stop on `--exit-interval`, SIGTERM or the time limit (`training.exits`).
 """
 
@@ -8,18 +9,23 @@ import os
 import time
 
 import torch
+from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
 from .. import parallel_state as ps
 from .. import rng
+from ..processes import guard_rank
 from ..vocab import padded_vocab_size
+from .batch_schedule import global_batch_size_at
 from .checkpoint_saver import CheckpointSaver
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
-from .model import build_model, build_model_and_optimizer, transformer_config
+from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
+from .save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
+from .step_hooks import StepHooks
 
 
 def set_deterministic_mode() -> None:
@@ -37,8 +43,18 @@ def initialize_distributed(config: RunConfig) -> None:
         set_deterministic_mode()
     ps.start_process_group(config.training.distributed_backend,
                            config.training.distributed_timeout_minutes)
-    ps.initialize_model_parallel(dims=config.dims)
-    rng.seed_dropout_streams(config.training.seed)  # per SP rank and stage
+    instances = config.performance.num_distributed_optimizer_instances
+    ps.initialize_model_parallel(dims=config.dims, num_distributed_optimizer_instances=instances)
+    rng.seed_dropout_streams(dropout_base_seed(config.training))  # per SP rank and stage
+
+
+def dropout_base_seed(training) -> int:
+    """--seed, or with --data-parallel-random-init Megatron-LM's seed + 10 x DP rank (the pure
+    DP rank: the SP ranks of one replica share it). Megatron-LM seeds the weights with it too but
+    then broadcasts DP rank 0's, so only the dropout streams differ: the weights stay --seed's."""
+    if not training.data_parallel_random_init:
+        return training.seed
+    return training.seed + 10 * ps.get_pure_data_parallel_rank()
 
 
 def evaluate_only(config: RunConfig, tokenizer) -> None:
@@ -46,7 +62,8 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
     batches, one validation line at the checkpoint's iteration."""
     model_config, training = config.model, config.training
     model = build_model(model_config, config.optimizer, training.seed,
-                        transformer_config(model_config, config.dims))
+                        transformer_config(model_config, config.dims, config.performance),
+                        config.performance)
     iteration = 0
     if config.checkpoint.load:
         iteration, _ = load_checkpoint(config.checkpoint.load, model, None, None, config)
@@ -61,6 +78,9 @@ def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
     set_logging_level(config.logging.logging_level)
+    guard_rank()  # its helper processes die with it, it with torchrun
+    if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
+        lock_save_dir(config.checkpoint.save)  # one live job per --save
     tokenizer = check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(padded_vocab_size(
@@ -96,6 +116,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     training, checkpoint = config.training, config.checkpoint
     local_seq = config.dims.local_seq_length(config.model.seq_length)
     logger = TrainingLogger(config, config.dims.world_size, model)
+    hooks = StepHooks(training, config.logging.tensorboard_dir)
     progress = config.logging.log_progress and checkpoint.save
     if progress:
         append_progress(checkpoint.save, "Starting job")
@@ -103,6 +124,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     saver = CheckpointSaver(checkpoint)
 
     def save():
+        gather_params(model, config.performance)
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
                             consumed, extra_common, saver)
@@ -113,17 +135,22 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     while iteration < training.train_iters:
+        hooks.before_step(iteration)
+        batch = global_batch_size_at(consumed, training.batch_size_schedule,
+                                     training.global_batch_size)
         loss, grad_norm, ok, num_zeros = _step(config, iteration, train_batches, built,
-                                               local_seq)
+                                               local_seq, batch)
         iteration += 1
-        consumed += training.global_batch_size
+        consumed += batch
         saved = False
         saver.finalize()  # commits an async save whose write is done
-        logger.log_iteration(iteration, consumed, loss, optimizer.param_groups[0]["lr"],
-                             grad_norm, optimizer.get_loss_scale(), skipped=not ok,
-                             num_zeros=num_zeros)
+        logger.log_iteration(iteration, consumed, loss,
+                             get_canonical_lr_for_logging(optimizer.param_groups), grad_norm,
+                             optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
+                             global_batch_size=batch)
+        hooks.after_step(iteration, model)
         if valid_batches is not None and iteration % training.eval_interval == 0:
-            with logger.paused():
+            with logger.paused(), hooks.around_evaluation():
                 logger.log_validation(iteration, evaluate(valid_batches, model, training,
                                                           local_seq))
         reason = exit_request.reason()
@@ -140,6 +167,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     if checkpoint.save and not saved:
         save()
     saver.close()
+    hooks.close()
     logger.close()
 
 
@@ -155,13 +183,15 @@ def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
             f"Tokens (in billions): {consumed * config.model.seq_length / 10**9:.2f}")
 
 
-def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int):
-    """One optimizer step -> (loss, grad norm, applied, zero gradients); a NaN / Inf stops the
-    run with what to resume from and what to change."""
+def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
+          global_batch: int):
+    """One optimizer step over `global_batch` samples -> (loss, grad norm, applied, zero
+    gradients); a NaN / Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
+    per_step = config.training.micro_batch_size * config.dims.dp
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,
-                          local_seq)
+                          local_seq, num_microbatches=global_batch // per_step)
     except NonFiniteError as error:
         save = config.checkpoint.save
         last = (f"the last checkpoint (--save {save}) is the one to resume from" if save

@@ -24,20 +24,25 @@ from ..backends import te_available
 from ..layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
-from .config import ModelConfig, OptimizerConfig, RunConfig, TrainingConfig
+from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
+from .config.performance import ddp_kwargs, transformer_kwargs
 from .optimizer import build_optimizer
 
 
-def transformer_config(model: ModelConfig, dims: ParallelDims) -> TransformerConfig:
-    """megatron-core's config of the model (per-token loss; CPU initialization without CUDA)."""
+def transformer_config(model: ModelConfig, dims: ParallelDims,
+                       performance: PerformanceConfig = PerformanceConfig()) -> TransformerConfig:
+    """megatron-core's config of the model (per-token loss; CPU initialization without CUDA;
+    FP8 and the other speed features of `performance`)."""
     cuda = torch.cuda.is_available()
     with warnings.catch_warnings():  # 0.16 warns about its own default cuda_graph_scope
         warnings.filterwarnings("ignore", message="full scope is deprecated")
-        return _transformer_config(model, dims, cuda)
+        return TransformerConfig(**transformer_config_kwargs(model, dims, cuda),
+                                 **transformer_kwargs(performance))
 
 
-def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
-    return TransformerConfig(
+def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool) -> dict:
+    """`TransformerConfig`'s arguments from the model section."""
+    return dict(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
         ffn_hidden_size=model.ffn_hidden_size,
@@ -91,7 +96,8 @@ def _transformer_config(model: ModelConfig, dims: ParallelDims, cuda: bool):
 
 
 def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
-                config: TransformerConfig) -> DistributedDataParallel:
+                config: TransformerConfig,
+                performance: PerformanceConfig = PerformanceConfig()) -> DistributedDataParallel:
     """The Ulysses GPTModel (in `Float16Module` for bf16/fp16) in megatron-core DDP; the
     weights are drawn from `seed` alone, the same on every DP x SP rank."""
     with rng.weight_init_streams(seed):
@@ -111,43 +117,57 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
         gpt.cuda(torch.cuda.current_device())
     if model.offload_activations:
         enable_activation_offload(gpt.decoder)
-    return wrap_model(gpt, model, optimizer, config)
+    return wrap_model(gpt, model, optimizer, config, performance)
 
 
-def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig,
-               config: TransformerConfig) -> DistributedDataParallel:
+def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: TransformerConfig,
+               performance: PerformanceConfig = PerformanceConfig()) -> DistributedDataParallel:
     """`gpt` as Megatron-LM's get_model wraps it: `Float16Module` for bf16/fp16 (half-precision
-    weights, fp32 logits out), megatron-core DDP with an fp32 grad buffer."""
+    weights, fp32 logits out), megatron-core DDP (an fp32 grad buffer unless
+    --grad-reduce-in-bf16)."""
     if model.bf16 or model.fp16:
         gpt = Float16Module(config, gpt)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=optimizer.overlap_grad_reduce,
-        use_distributed_optimizer=optimizer.use_distributed_optimizer,
-    )
+    ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(optimizer, performance))
     return DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
 
 
-def build_scheduler(config: OptimizerConfig, training: TrainingConfig,
-                    optimizer) -> OptimizerParamScheduler:
-    """LR and weight-decay schedule in samples, as Megatron-LM counts them."""
-    gbs = training.global_batch_size
+def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig) -> dict:
+    """`DistributedDataParallelConfig`'s arguments."""
+    return dict(overlap_grad_reduce=optimizer.overlap_grad_reduce,
+                use_distributed_optimizer=optimizer.use_distributed_optimizer,
+                **ddp_kwargs(performance))
+
+
+def gather_params(model: DistributedDataParallel, performance: PerformanceConfig) -> None:
+    """With --overlap-param-gather the optimizer step updates only this rank's shard and leaves
+    the all-gather to the next forward's hooks: finish it now, before a save reads the weights
+    (Megatron-LM's force_param_sync)."""
+    if performance.overlap_param_gather:
+        model.start_param_sync(force_sync=True)
+
+
+def build_scheduler(config: OptimizerConfig, optimizer) -> OptimizerParamScheduler:
+    """LR and weight-decay schedule in samples, as Megatron-LM's get_optimizer_param_scheduler
+    (the lengths are the config's, `config.optimizer.validate` derives them); each param group's
+    own `max_lr` / `min_lr` (--decoupled-lr) is read by the scheduler."""
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=config.lr, min_lr=config.min_lr,
-        lr_warmup_steps=config.lr_warmup_iters * gbs, lr_decay_steps=config.lr_decay_iters * gbs,
-        lr_decay_style=config.lr_decay_style, start_wd=config.weight_decay,
-        end_wd=config.weight_decay, wd_incr_steps=training.train_iters * gbs,
-        wd_incr_style="constant",
+        optimizer, init_lr=config.lr_warmup_init, max_lr=config.lr, min_lr=config.min_lr,
+        lr_warmup_steps=config.lr_warmup_steps, lr_decay_steps=config.lr_decay_steps,
+        lr_decay_style=config.lr_decay_style, start_wd=config.start_weight_decay,
+        end_wd=config.end_weight_decay, wd_incr_steps=config.wd_incr_steps,
+        wd_incr_style=config.weight_decay_incr_style,
         use_checkpoint_opt_param_scheduler=config.use_checkpoint_opt_param_scheduler,
         override_opt_param_scheduler=config.override_opt_param_scheduler,
+        wsd_decay_steps=config.wsd_decay_steps, lr_wsd_decay_style=config.lr_wsd_decay_style,
     )
 
 
 def build_model_and_optimizer(config: RunConfig):
     """The model (DDP), optimizer and LR scheduler of a run whose process groups exist
     (`loop.initialize_distributed`), wired as megatron-core's schedule needs them."""
-    mcore_config = transformer_config(config.model, config.dims)
-    model = build_model(config.model, config.optimizer, config.training.seed, mcore_config)
+    mcore_config = transformer_config(config.model, config.dims, config.performance)
+    model = build_model(config.model, config.optimizer, config.training.seed, mcore_config,
+                        config.performance)
     return attach_optimizer(config, mcore_config, model)
 
 
@@ -155,10 +175,10 @@ def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
     """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP) and, on
     `mcore_config`, the hooks megatron-core's schedule calls (grad finalize, no_sync, fp16 loss
     scale), as Megatron-LM's setup sets them."""
-    optimizer = build_optimizer(config.optimizer, config.model, model,
+    optimizer = build_optimizer(config.optimizer, config.model, model, config.performance,
                                 config.logging.log_num_zeros_in_grad)
     mcore_config.finalize_model_grads_func = finalize_model_grads
     mcore_config.no_sync_func = model.no_sync
     if config.model.fp16:
         mcore_config.grad_scale_func = optimizer.scale_loss
-    return model, optimizer, build_scheduler(config.optimizer, config.training, optimizer)
+    return model, optimizer, build_scheduler(config.optimizer, optimizer)

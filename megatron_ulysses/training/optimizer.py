@@ -4,6 +4,7 @@ allocate CUDA tensors, `CpuAdamW` with the same interface and math (AdamW over D
 no weight decay on biases and norms, global-norm clipping over TP x PP, the same sharded
 checkpoint layout)."""
 
+import dataclasses
 import math
 from itertools import chain
 
@@ -17,26 +18,44 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
+from .config.performance import PerformanceConfig, optimizer_kwargs
 
-def _param_groups(model):
-    """megatron-core's default grouping: no weight decay on biases and 1-D (norm) params."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
-        (no_decay if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
-    groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0}]
-    return [group for group in groups if group["params"]]
+
+def mcore_optimizer_config(config, model_config):
+    """megatron-core's `OptimizerConfig` of our `OptimizerConfig` (+ the model's precision)."""
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+
+    return McoreOptimizerConfig(
+        optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr,
+        decoupled_lr=config.decoupled_lr, decoupled_min_lr=config.decoupled_min_lr,
+        apply_wd_to_qk_layernorm=config.apply_wd_to_qk_layernorm,
+        weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
+        adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
+        bf16=model_config.bf16, fp16=model_config.fp16, params_dtype=model_config.params_dtype,
+        loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
+        min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
+        hysteresis=config.hysteresis, use_distributed_optimizer=config.use_distributed_optimizer,
+    )
+
+
+def param_groups(model, mcore_config):
+    """megatron-core's param groups (`_get_param_groups`, its standard overrides): no weight
+    decay on biases and 1-D params (but q/k layernorms with --apply-wd-to-qk-layernorm), the
+    embedding and output layer at their own max/min LR with --decoupled-lr. Each group carries
+    the `max_lr` / `min_lr` / `wd_mult` the scheduler reads."""
+    from megatron.core.optimizer import _get_param_groups
+
+    return _get_param_groups([model], mcore_config, None)
 
 
 class CpuAdamW:
     """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
 
-    def __init__(self, model, config, log_num_zeros_in_grad: bool = False):
-        """`config`: an `OptimizerConfig`; `log_num_zeros_in_grad`: `step` counts the zero
-        gradient entries (megatron-core's OptimizerConfig option of that name)."""
+    def __init__(self, model, config, groups, log_num_zeros_in_grad: bool = False):
+        """`config`: an `OptimizerConfig`; `groups`: `param_groups`; `log_num_zeros_in_grad`:
+        `step` counts the zero gradient entries (megatron-core's OptimizerConfig option)."""
         self.optimizer = torch.optim.AdamW(
-            _param_groups(model), lr=config.lr, weight_decay=config.weight_decay,
+            groups, lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
         self.clip_grad = config.clip_grad
@@ -119,23 +138,18 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(config, model_config, model, log_num_zeros_in_grad: bool = False):
-    """megatron-core's optimizer on GPU, `CpuAdamW` on CPU. `config`: an `OptimizerConfig`;
-    `model_config`: the `ModelConfig` (its precision); `log_num_zeros_in_grad`: `step()` returns
-    the number of zero gradient entries (--log-num-zeros-in-grad)."""
+def build_optimizer(config, model_config, model, performance=PerformanceConfig(),
+                    log_num_zeros_in_grad: bool = False):
+    """megatron-core's optimizer on GPU, `CpuAdamW` over megatron-core's param groups on CPU.
+    `config`: an `OptimizerConfig`; `model_config`: the `ModelConfig` (its precision);
+    `performance`: the speed features (overlapped param gather, precision-aware optimizer, CPU
+    offload; GPU only); `log_num_zeros_in_grad`: `step()` returns the number of zero gradient
+    entries (--log-num-zeros-in-grad)."""
+    mcore_config = mcore_optimizer_config(config, model_config)
     if not torch.cuda.is_available():
-        return CpuAdamW(model, config, log_num_zeros_in_grad)
-    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+        return CpuAdamW(model, config, param_groups(model, mcore_config), log_num_zeros_in_grad)
     from megatron.core.optimizer import get_megatron_optimizer
 
-    mcore_config = McoreOptimizerConfig(
-        optimizer=config.optimizer, lr=config.lr, min_lr=config.min_lr,
-        weight_decay=config.weight_decay, adam_beta1=config.adam_beta1,
-        adam_beta2=config.adam_beta2, adam_eps=config.adam_eps, clip_grad=config.clip_grad,
-        bf16=model_config.bf16, fp16=model_config.fp16, params_dtype=model_config.params_dtype,
-        loss_scale=config.loss_scale, initial_loss_scale=config.initial_loss_scale,
-        min_loss_scale=config.min_loss_scale, loss_scale_window=config.loss_scale_window,
-        hysteresis=config.hysteresis, use_distributed_optimizer=config.use_distributed_optimizer,
-        log_num_zeros_in_grad=log_num_zeros_in_grad,
-    )
+    mcore_config = dataclasses.replace(mcore_config, log_num_zeros_in_grad=log_num_zeros_in_grad,
+                                       **optimizer_kwargs(performance))
     return get_megatron_optimizer(mcore_config, [model])

@@ -64,21 +64,20 @@ def _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only):
     return totals
 
 
-def forward_backward(data_iterator, model, training: TrainingConfig, local_seq_length: int,
-                     forward_only=False):
+def forward_backward(data_iterator, model, num_microbatches: int, micro_batch_size: int,
+                     local_seq_length: int, forward_only=False):
     """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64),
     summed over micro batches (zeros off the last pipeline stage). `local_seq_length`: s/P
     after padding, the sequence length of one rank's activations."""
     if not torch.cuda.is_available():
         with _timer(model, "forward-backward", 1):
-            return _cpu_forward_backward(data_iterator, model, training.num_microbatches,
-                                         forward_only)
+            return _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     reports = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
-        num_microbatches=training.num_microbatches, seq_length=local_seq_length,
-        micro_batch_size=training.micro_batch_size, forward_only=forward_only,
+        num_microbatches=num_microbatches, seq_length=local_seq_length,
+        micro_batch_size=micro_batch_size, forward_only=forward_only,
     )
     totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     for report in reports:
@@ -90,14 +89,16 @@ class NonFiniteError(RuntimeError):
     """A NaN loss, or a NaN / Inf gradient, found before the update (every rank raises it)."""
 
 
-def check_finite(totals: torch.Tensor, model, check_grads: bool) -> None:
+def check_finite(totals: torch.Tensor, model, check_grads: bool, check_loss: bool = True) -> None:
     """--check-for-nan-in-loss-and-grad, between the backward and the update: raise
-    `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN or (`check_grads`: no
+    `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN (`check_loss`: not with
+    --rerun-mode disabled, as Megatron-LM's rerun machine then skips it) or (`check_grads`: no
     loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
     grads = [(name, param.main_grad) for name, param in model.named_parameters()
              if check_grads and param.requires_grad]
+    nan_loss = torch.isnan(totals[0]) & check_loss
     finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]
-                         + [~torch.isnan(totals[0])])  # on the device: one sync, below
+                         + [~nan_loss])  # on the device: one sync, below
     counts = torch.stack([(~finite[:-1]).sum(), ~finite[-1]]).double()
     dist.all_reduce(counts)
     bad_grads, nan_loss = int(counts[0]), int(counts[1])
@@ -115,29 +116,36 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool) -> None:
 
 
 def train_step(data_iterator, model, optimizer, scheduler, training: TrainingConfig,
-               local_seq_length: int):
-    """One optimizer step over the global batch; returns (loss, grad norm, update ok, number of
-    zero gradients or None).
-    Raises `NonFiniteError` before the update (--check-for-nan-in-loss-and-grad)."""
+               local_seq_length: int, num_microbatches: int = None):
+    """One optimizer step over the global batch of `num_microbatches` micro batches (default
+    the constant batch's; a batch-size ramp passes the current one); returns (loss, grad norm,
+    update ok, number of zero gradients or None). Raises `NonFiniteError` before the update
+    (--check-for-nan-in-loss-and-grad)."""
+    if num_microbatches is None:
+        num_microbatches = training.num_microbatches
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    totals = forward_backward(data_iterator, model, training, local_seq_length)
+    totals = forward_backward(data_iterator, model, num_microbatches, training.micro_batch_size,
+                              local_seq_length)
     if training.check_for_nan_in_loss_and_grad:
-        check_finite(totals, model, check_grads=not model.config.fp16)
+        check_finite(totals, model, check_grads=not model.config.fp16,
+                     check_loss=training.rerun_mode != "disabled")
     with _timer(model, "optimizer", 1):
         ok, grad_norm, num_zeros = optimizer.step()
-    if ok:
-        scheduler.step(increment=training.global_batch_size)
+    if ok:  # the samples of this step (micro batch x pure DP is the constant batch's share)
+        per_micro_batch = training.global_batch_size // training.num_microbatches
+        scheduler.step(increment=num_microbatches * per_micro_batch)
     return global_mean(totals), grad_norm, ok, num_zeros
 
 
 def evaluate(data_iterator, model, training: TrainingConfig, local_seq_length: int) -> float:
-    """Mean per-token loss over `--eval-iters` global batches."""
+    """Mean per-token loss over `--eval-iters` batches of --eval-global-batch-size."""
     model.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     with torch.no_grad():
         for _ in range(training.eval_iters):
-            totals += forward_backward(data_iterator, model, training, local_seq_length,
+            totals += forward_backward(data_iterator, model, training.eval_num_microbatches,
+                                       training.eval_micro_batch_size, local_seq_length,
                                        forward_only=True)
     model.train()
     return global_mean(totals)

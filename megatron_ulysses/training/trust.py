@@ -103,6 +103,33 @@ _MEGATRON_LM = {key: _Stub for key in (
 )}
 
 
+def _storage_from_bytes(data) -> _Stub:
+    """`torch.storage._load_from_bytes(b)`, pickle's form of a CPU storage, hands `b` (a legacy
+    torch.save of the storage) to torch.load's full unpickler when the real object is built: `b`
+    is checked here first: three plain header pickles, the storage reference, its keys, then raw
+    bytes that are never unpickled."""
+    if not isinstance(data, (bytes, bytearray)):
+        raise _Refused(f"a storage built from {type(data).__name__}, not bytes")
+    stream = io.BytesIO(bytes(data))
+    for _ in range(3):  # magic number, protocol version, sys info
+        _RestrictedUnpickler(stream, _PLAIN, storages=False).load()
+    _RestrictedUnpickler(stream, _PLAIN, storages=True).load()
+    _RestrictedUnpickler(stream, {}, storages=False).load()  # the storage keys: strings
+    return _Stub()
+
+
+# Transformer Engine's FP8 `_extra_state` is `pickle.dumps` of a dict holding its recipe (the
+# dataclasses, enums and named tuples of `transformer_engine.common.recipe`) and CPU tensors
+# (the delayed recipe's scales and amax histories).
+_TE_EXTRA_STATE = {
+    **{("transformer_engine.common.recipe", name): _Stub for name in (
+        "Format", "_FormatHelper", "_OverrideLinearPrecision", "MMParams", "QParams", "Recipe",
+        "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
+        "NVFP4BlockScaling")},
+    ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+}
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
     """Builds only allowed globals; `storages` admits torch.save's storage references."""
 
@@ -123,9 +150,12 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise _Refused(f"a pickled {module}.{name}")
 
     def persistent_load(self, pid):
-        if (self._storages and isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                and pid[1] is _Stub and all(isinstance(x, str) for x in pid[2:4])
-                and isinstance(pid[4], int)):
+        # torch.save's storage references: ("storage", type, key, location, numel), and in the
+        # legacy format a sixth item, the view metadata (None).
+        if (self._storages and isinstance(pid, tuple) and len(pid) in (5, 6)
+                and pid[0] == "storage" and pid[1] is _Stub
+                and all(isinstance(x, str) for x in pid[2:4]) and isinstance(pid[4], int)
+                and (len(pid) == 5 or pid[5] is None)):
             return _Stub()
         raise _Refused(f"a pickled persistent reference {str(pid)[:80]!r}")
 
@@ -250,7 +280,7 @@ def check_checkpoint_files(path: str) -> None:
 
 def check_extra_states(path: str, state, prefix: str = "") -> None:
     """Transformer Engine unpickles non-empty `_extra_state` byte tensors (pickle.loads) in
-    load_state_dict: they may hold only plain values too."""
+    load_state_dict: they may hold only plain values, CPU tensors and TE's FP8 recipe."""
     items = state.items() if isinstance(state, dict) else \
         enumerate(state) if isinstance(state, (list, tuple)) else ()
     for key, value in items:
@@ -260,5 +290,6 @@ def check_extra_states(path: str, state, prefix: str = "") -> None:
         elif name.endswith("_extra_state") and isinstance(value, torch.Tensor) \
                 and value.dtype == torch.uint8 and value.numel() > 0:
             data = value.detach().cpu().contiguous().numpy().tobytes()
-            _checked(path, f"{path} (model {name})", lambda d: _unpickle(d, _PLAIN), data)
+            _checked(path, f"{path} (model {name})", lambda d: _unpickle(
+                d, {**_PLAIN, **_TENSOR_REBUILD, **_TE_EXTRA_STATE}), data)
 

@@ -5,8 +5,8 @@
 One module per section holds its dataclass, its flags (`add_arguments`, one argparse group) and
 its own rules (`check_values`: each flag alone; `validate`: the section's rules and derived
 defaults): `parallel` (-> `ParallelDims`), `model` (with its `memory` and `fusions` parts),
-`optimizer`, `data`, `training`, `checkpoint`, `logging`, and `compat` (Megatron-LM flags accepted
-for compatibility). The rules between sections live in `rules`; `checks` has the shared checks.
+`optimizer`, `data`, `training`, `checkpoint`, `logging`, `performance` (GPU speed features) and
+`compat` (Megatron-LM flags accepted for compatibility). The rules between sections live in `rules`; `checks` has the shared checks.
 `training/arguments.py` runs them in order.
 
 Every field is named as Megatron-LM's argument (`hidden_size` is `--hidden-size`; `flag_name`
@@ -26,10 +26,11 @@ from .data import DataConfig
 from .logging import LoggingConfig
 from .model import ModelConfig
 from .optimizer import OptimizerConfig
+from .performance import PerformanceConfig
 from .training import TrainingConfig
 
 __all__ = ["RunConfig", "ModelConfig", "OptimizerConfig", "DataConfig", "TrainingConfig",
-           "CheckpointConfig", "LoggingConfig", "from_namespace"]
+           "CheckpointConfig", "LoggingConfig", "PerformanceConfig", "from_namespace"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class RunConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    performance: PerformanceConfig = PerformanceConfig()  # GPU speed features: none by default
     warnings: Tuple[str, ...] = ()  # said once by rank 0 (pretrain_gpt.py)
 
     def with_padded_vocab_size(self, padded_vocab_size: int) -> "RunConfig":
@@ -58,5 +60,6 @@ def from_namespace(namespace, dims: ParallelDims, warnings=()) -> RunConfig:
         data=section_of(DataConfig, namespace),
         training=section_of(TrainingConfig, namespace),
         checkpoint=section_of(CheckpointConfig, namespace),
-        logging=section_of(LoggingConfig, namespace), warnings=tuple(warnings),
+        logging=section_of(LoggingConfig, namespace),
+        performance=section_of(PerformanceConfig, namespace), warnings=tuple(warnings),
     )

@@ -32,6 +32,20 @@ class OptimizerConfig:
     hysteresis: int
     use_distributed_optimizer: bool
     overlap_grad_reduce: bool
+    decoupled_lr: Optional[float]
+    decoupled_min_lr: Optional[float]
+    lr_warmup_init: float
+    start_weight_decay: float
+    end_weight_decay: float
+    weight_decay_incr_style: str
+    lr_wsd_decay_style: str
+    apply_wd_to_qk_layernorm: bool
+    calculate_per_token_loss: bool
+    # The scheduler's lengths in samples (Megatron-LM's get_optimizer_param_scheduler).
+    lr_warmup_steps: float  # a fraction of the decay need not be whole (Megatron-LM's)
+    lr_decay_steps: int
+    wd_incr_steps: int
+    wsd_decay_steps: Optional[int]
 
 
 def add_arguments(parser) -> None:
@@ -39,13 +53,24 @@ def add_arguments(parser) -> None:
     g.add_argument("--optimizer", choices=("adam",), default="adam")
     g.add_argument("--lr", type=float, default=None, help="required unless --skip-train")
     g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
-                                                "inverse-square-root"), default="linear")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    _add_schedule_arguments(g)
     g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--start-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear/cosine")
+    g.add_argument("--end-weight-decay", type=float, default=None,
+                   help="with --weight-decay-incr-style linear/cosine")
+    g.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"),
+                   default="constant", help="weight decay from --start-weight-decay to "
+                   "--end-weight-decay over the run; constant: --weight-decay")
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
+                   help="weight decay on the q/k layernorm weights too (other 1-D params and "
+                   "biases stay without)")
+    g.add_argument("--calculate-per-token-loss", action="store_true",
+                   help="accepted: describes what we always do (the loss and its gradients are "
+                   "normalized by the unmasked tokens of the whole global batch). Without it "
+                   "Megatron-LM divides each micro batch by its own token count instead; we do "
+                   "not, so gradients differ from Megatron-LM's default when micro batches hold "
+                   "different token counts (--eod-mask-loss)")
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
@@ -70,11 +95,46 @@ def add_arguments(parser) -> None:
     g.add_argument("--overlap-grad-reduce", action="store_true")
 
 
+def _add_schedule_arguments(g) -> None:
+    """The LR schedule: decay style, warmup and decay in iterations or samples, WSD,
+    decoupled LR."""
+    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
+                                                "inverse-square-root", "WSD"), default="linear")
+    g.add_argument("--lr-wsd-decay-style", default="exponential",
+                   choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                   help="--lr-decay-style WSD: the shape of the final anneal")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                   help="--lr-decay-style WSD with --train-iters: anneal iterations")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="--lr-decay-style WSD with --train-samples: anneal samples")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-samples", type=int, default=0,
+                   help="warmup in samples (with --train-samples)")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of the decay length (instead of "
+                   "--lr-warmup-iters / --lr-warmup-samples)")
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the LR warmup starts from")
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
+    g.add_argument("--lr-decay-samples", type=int, default=None,
+                   help="with --train-samples; default --train-samples")
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="max LR of the input embedding and output layer (megatron-core's "
+                   "param groups); the others keep --lr")
+    g.add_argument("--decoupled-min-lr", type=float, default=None,
+                   help="min LR of the --decoupled-lr group; default --min-lr")
+
+
 def check_values(args) -> None:
     """After `rules.check_run_length` (it fills in --lr with --skip-train)."""
     check_range(args, "lr_decay_iters", low=0, low_open=True, optional=True)
     check_range(args, "hysteresis", low=1)
-    check_range(args, "lr_warmup_iters", low=0)
+    for name in ("lr_warmup_iters", "lr_warmup_samples", "lr_warmup_init"):
+        check_range(args, name, low=0)
+    for name in ("lr_decay_samples", "lr_wsd_decay_iters", "lr_wsd_decay_samples"):
+        check_range(args, name, low=0, low_open=True, optional=True)
+    for name in ("decoupled_lr", "decoupled_min_lr", "start_weight_decay", "end_weight_decay"):
+        check_range(args, name, low=0, optional=True)
     for name in ("adam_eps", "min_loss_scale", "loss_scale_window"):
         check_range(args, name, low=0, low_open=True)
     for name in ("loss_scale", "initial_loss_scale"):
@@ -87,14 +147,97 @@ def check_values(args) -> None:
 
 
 def validate(args, ctx: Context) -> None:
-    """The schedule's defaults from the run length are `rules.check_schedule`'s."""
-    require(args.lr_warmup_fraction is None or args.lr_warmup_iters == 0,
-            "give --lr-warmup-fraction or --lr-warmup-iters, not both")
+    """The LR and weight-decay schedule (after the training section: its lengths follow the
+    run's), decoupled LR, the schedule flags' exclusivity."""
     require(0 <= args.min_lr <= args.lr,
             f"--min-lr ({args.min_lr}) must be in [0, --lr ({args.lr})]")
+    require(args.lr_warmup_init <= args.lr,
+            f"--lr-warmup-init ({args.lr_warmup_init}) must be <= --lr ({args.lr})")
+    _check_decoupled_lr(args, ctx)
+    _check_weight_decay(args)
+    _schedule_lengths(args)
+    _check_wsd(args)
     require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
             "exclusive; give one")
     require(ctx.cuda or not args.use_distributed_optimizer,
             "--use-distributed-optimizer needs CUDA (megatron-core's distributed "
             "optimizer); drop it on CPU")
+
+
+def _check_decoupled_lr(args, ctx: Context) -> None:
+    if args.decoupled_lr is None:
+        if args.decoupled_min_lr is not None:  # Megatron-LM ignores it then
+            ctx.warnings.append(f"--decoupled-min-lr {args.decoupled_min_lr} is ignored "
+                                "without --decoupled-lr")
+        return
+    low = args.min_lr if args.decoupled_min_lr is None else args.decoupled_min_lr
+    flag = "--min-lr" if args.decoupled_min_lr is None else "--decoupled-min-lr"
+    require(low <= args.decoupled_lr, f"{flag} ({low}) must be <= --decoupled-lr "
+            f"({args.decoupled_lr}): the embedding and output layer decay from one to the other")
+
+
+def _check_weight_decay(args) -> None:
+    """Megatron-LM's rules: constant takes --weight-decay, linear/cosine need the two ends."""
+    style = args.weight_decay_incr_style
+    given = [f"--{end}-weight-decay" for end in ("start", "end")
+             if getattr(args, f"{end}_weight_decay") is not None]
+    if style == "constant":
+        require(not given, f"{' and '.join(given)} need --weight-decay-incr-style linear or "
+                "cosine (constant uses --weight-decay)")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+        return
+    require(len(given) == 2, f"--weight-decay-incr-style {style} needs --start-weight-decay "
+            "and --end-weight-decay")
+    require(args.start_weight_decay <= args.end_weight_decay,
+            f"--start-weight-decay ({args.start_weight_decay}) must be <= --end-weight-decay "
+            f"({args.end_weight_decay}): the weight decay increases")
+
+
+def _schedule_lengths(args) -> None:
+    """Megatron-LM's get_optimizer_param_scheduler: with --train-iters the lengths in iterations
+    x --global-batch-size, with --train-samples in samples (the other unit's flags refused, as
+    its validate_args does); the scheduler counts samples."""
+    by_samples = args.train_samples is not None
+    unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
+    scale = 1 if by_samples else args.global_batch_size
+    for what in ("lr_decay", "lr_wsd_decay", "lr_warmup"):
+        given = getattr(args, f"{what}_{other}")
+        require(given in (None, 0), f"--{what.replace('_', '-')}-{other} goes with --train-"
+                f"{other}; with --train-{unit} give --{what.replace('_', '-')}-{unit}")
+    warmup = getattr(args, f"lr_warmup_{unit}")
+    require(args.lr_warmup_fraction is None or warmup == 0,
+            f"give --lr-warmup-fraction or --lr-warmup-{unit}, not both")
+    run_length = args.train_samples if by_samples else args.train_iters
+    decay_defaulted = getattr(args, f"lr_decay_{unit}") is None
+    if decay_defaulted:
+        setattr(args, f"lr_decay_{unit}", run_length)
+    decay = getattr(args, f"lr_decay_{unit}")
+    wsd = getattr(args, f"lr_wsd_decay_{unit}")
+    args.lr_decay_steps, args.wd_incr_steps = decay * scale, run_length * scale
+    args.wsd_decay_steps = None if wsd is None else wsd * scale
+    if args.lr_warmup_fraction is None:
+        args.lr_warmup_steps = warmup * scale
+        warmup_flag = f"--lr-warmup-{unit}"
+    else:  # a float, as Megatron-LM passes it
+        args.lr_warmup_steps = args.lr_warmup_fraction * args.lr_decay_steps
+        warmup = args.lr_warmup_steps / scale
+        warmup_flag = f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-{unit}"
+    # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).
+    noun = "samples" if by_samples else "iterations"
+    require(args.lr_warmup_steps < args.lr_decay_steps or args.skip_train,
+            f"{warmup_flag} ({warmup:g} {noun}) must be < --lr-decay-{unit}"
+            f"{f' (default --train-{unit})' if decay_defaulted else ''} ({decay}); shorten the "
+            "warmup or lengthen the decay")
+
+
+def _check_wsd(args) -> None:
+    """WSD needs its anneal length (megatron-core asserts it), within the decay."""
+    unit = "samples" if args.train_samples is not None else "iters"
+    if args.lr_decay_style != "WSD" or args.skip_train:
+        return
+    require(args.wsd_decay_steps is not None,
+            f"--lr-decay-style WSD needs --lr-wsd-decay-{unit} (the anneal length)")
+    require(args.wsd_decay_steps <= args.lr_decay_steps,
+            f"--lr-wsd-decay-{unit} must be <= --lr-decay-{unit}: the anneal is the end of "
+            "the decay")

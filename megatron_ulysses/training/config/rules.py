@@ -34,7 +34,6 @@ def validate(args, ctx: Context) -> None:
             f"--position-embedding-type {args.position_embedding_type}; add "
             "--position-embedding-type rope (or --use-rotary-position-embeddings)")
     _check_rope_fusion(args, ctx)
-    _check_schedule(args)
     if args.fp16 and args.loss_scale is None:  # megatron-core's DynamicGradScaler asserts it
         require(args.min_loss_scale <= args.initial_loss_scale,
                 f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
@@ -84,24 +83,6 @@ def _check_rope_fusion(args, ctx: Context) -> None:
             f"elements per rank, past 2^31 (the fused kernel would read out of bounds: an "
             f"illegal address or NaN gradients); a larger --ulysses-sp-size brings it back, "
             f"--no-rope-fusion silences this")
-
-
-def _check_schedule(args) -> None:
-    """--lr-decay-iters (default: the run's iterations) and the warmup within it."""
-    decay_defaulted = args.lr_decay_iters is None
-    if decay_defaulted:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    # megatron-core's OptimizerParamScheduler asserts warmup < decay (whatever the decay style).
-    warmup = ("--lr-warmup-iters" if args.lr_warmup_fraction is None else
-              f"--lr-warmup-fraction {args.lr_warmup_fraction} x --lr-decay-iters")
-    steps = ("--train-iters" if args.train_samples is None else
-             f"--train-samples {args.train_samples} / --global-batch-size")
-    decay = "--lr-decay-iters" + (f" (default {steps})" if decay_defaulted else "")
-    require(args.lr_warmup_iters < args.lr_decay_iters or args.skip_train,
-            f"{warmup} ({args.lr_warmup_iters} iterations) must be < {decay} "
-            f"({args.lr_decay_iters}); shorten the warmup or raise --lr-decay-iters")
 
 
 def _check_exits_and_saves(args, ctx: Context) -> None:

@@ -2,8 +2,11 @@
 process group."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
+from .. import batch_schedule
+
+from ...errors import ConfigError
 from .checks import Context, check_positive, check_range, number, require
 
 
@@ -25,6 +28,22 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool
     distributed_backend: str
     distributed_timeout_minutes: int
+    batch_size_schedule: Optional[batch_schedule.Schedule]  # --rampup / --step-batch-size-*
+    eval_micro_batch_size: int
+    eval_global_batch_size: int
+    eval_num_microbatches: int
+    data_parallel_random_init: bool
+    manual_gc: bool
+    manual_gc_interval: int
+    manual_gc_eval: bool
+    empty_unused_memory_level: int
+    rerun_mode: str
+    profile: bool
+    use_pytorch_profiler: bool
+    profile_step_start: int
+    profile_step_end: int
+    profile_ranks: Tuple[int, ...]
+    check_weight_hash_across_dp_replicas_interval: Optional[int]
 
 
 def add_arguments(parser) -> None:
@@ -56,6 +75,58 @@ def add_arguments(parser) -> None:
     g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
                    help="default nccl with CUDA, gloo without")
     g.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    _add_run_arguments(g)
+
+
+def _add_run_arguments(g) -> None:
+    """Batch-size ramps, evaluation batches, GC, memory, rerun checks, profiling."""
+    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
+                   metavar=("START", "INCREMENT", "SAMPLES"),
+                   help="grow the global batch from START by INCREMENT over SAMPLES samples "
+                   "up to --global-batch-size (Megatron-LM's older ramp)")
+    g.add_argument("--step-batch-size-schedule", default=None,
+                   help="'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T "
+                   "suffixes); excludes --global-batch-size")
+    g.add_argument("--eval-micro-batch-size", type=int, default=None,
+                   help="default --micro-batch-size")
+    g.add_argument("--eval-global-batch-size", type=int, default=None,
+                   help="default --global-batch-size")
+    g.add_argument("--data-parallel-random-init", action="store_true",
+                   help="dropout streams seeded per data-parallel replica (seed + 10 x DP "
+                   "rank); the weights are DP rank 0's, as Megatron-LM broadcasts them")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="python's GC off; collect every --manual-gc-interval iterations and "
+                   "around evaluations, the same on every rank")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="0: collect only around evaluations")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="with --manual-gc: no collection around evaluations")
+    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
+                   help="torch.cuda.empty_cache() after each step (1), also after evaluation "
+                   "(2); nothing on CPU")
+    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"),
+                   default="validate_results",
+                   help="validate_results: the NaN check of the loss (no re-run of the "
+                   "iteration); disabled: the loss is not checked (gradients still are)")
+    g.add_argument("--check-for-large-grads", action="store_true",
+                   help="needs megatron-core's rerun engine: refused")
+    g.add_argument("--check-for-spiky-loss", action="store_true",
+                   help="needs megatron-core's rerun engine: refused")
+    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
+                   help="every N iterations: raise unless every DP x SP replica holds the same "
+                   "weights (megatron-core's check_param_hashes_across_dp_replicas)")
+    g.add_argument("--profile", action="store_true",
+                   help="profile the iterations numbered [--profile-step-start, "
+                   "--profile-step-end) in the log with --use-pytorch-profiler; without it an "
+                   "nsys range (cudaProfilerStart/Stop, GPU only) one iteration later, as "
+                   "Megatron-LM's")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="torch.profiler; rank R's chrome trace in "
+                   "<--tensorboard-dir>/../torch_profile/rank-R.json.gz")
+    g.add_argument("--profile-step-start", type=int, default=10)
+    g.add_argument("--profile-step-end", type=int, default=12)
+    g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
+                   help="default every rank")
 
 
 def check_values(args) -> None:
@@ -67,6 +138,17 @@ def check_values(args) -> None:
     for name in ("exit_interval", "exit_duration_in_mins"):
         check_range(args, name, low=0, low_open=True, optional=True)
     check_range(args, "distributed_timeout_minutes", low=1)
+    check_range(args, "manual_gc_interval", low=0)
+    check_range(args, "check_weight_hash_across_dp_replicas_interval", low=0, low_open=True,
+                optional=True)
+    for name in ("eval_micro_batch_size", "eval_global_batch_size"):
+        check_range(args, name, low=0, low_open=True, optional=True)
+    for flag in ("check_for_large_grads", "check_for_spiky_loss"):
+        require(not getattr(args, flag), f"--{flag.replace('_', '-')} needs megatron-core's "
+                "rerun engine (re-running an iteration), which megatron_ulysses does not wire; "
+                "drop it (NaN losses and gradients are checked: --rerun-mode)")
+    require(args.rerun_mode != "report_stats", "--rerun-mode report_stats needs megatron-core's "
+            "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled")
     check_range(args, "seed", low=0, high=2**32 - 1)  # numpy seeds the data sampling with it
 
 
@@ -77,6 +159,11 @@ def validate(args, ctx: Context) -> None:
             f"batches; give a positive --eval-iters (got {args.eval_iters})")
     dims = ctx.dims
     per_step = args.micro_batch_size * dims.dp
+    require(args.step_batch_size_schedule is None or args.global_batch_size is None,
+            "give --step-batch-size-schedule or --global-batch-size, not both (Megatron-LM's "
+            "rule: the schedule sets every global batch)")
+    require(args.step_batch_size_schedule is None or args.rampup_batch_size is None,
+            "give --step-batch-size-schedule or --rampup-batch-size, not both")
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     require(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
@@ -85,13 +172,81 @@ def validate(args, ctx: Context) -> None:
             f"{per_step}); data-parallel size = world {dims.world_size} / (TP {dims.tp} x PP "
             f"{dims.pp} x --ulysses-sp-size {dims.sp})")
     args.num_microbatches = args.global_batch_size // per_step
+    args.batch_size_schedule = _batch_size_schedule(args, ctx)
     if args.train_samples is not None:
-        require(args.train_samples >= args.global_batch_size,
+        require(args.train_samples >= args.global_batch_size or args.batch_size_schedule,
                 f"--train-samples ({args.train_samples}) must be >= --global-batch-size "
                 f"({args.global_batch_size}): training runs --train-samples // "
                 "--global-batch-size iterations")
-        args.train_iters = args.train_samples // args.global_batch_size
+        args.train_iters = batch_schedule.iterations_for(
+            args.train_samples, args.batch_size_schedule, args.global_batch_size)
+    _eval_batches(args, ctx)
+    _check_profile(args, ctx)
     if args.distributed_backend is None:
         args.distributed_backend = "nccl" if ctx.cuda else "gloo"
     require(not (args.distributed_backend == "nccl" and not ctx.cuda),
             "--distributed-backend nccl needs CUDA; use gloo")
+
+
+def _batch_size_schedule(args, ctx: Context):
+    """The parsed ramp, each of its batch sizes a multiple of micro batch x DP (megatron-core
+    checks the current one as the run reaches it; here all before the run)."""
+    if args.step_batch_size_schedule is not None:
+        try:
+            schedule = batch_schedule.parse_step_schedule(args.step_batch_size_schedule,
+                                                          args.seq_length)
+        except ValueError as error:
+            raise ConfigError(f"--step-batch-size-schedule {args.step_batch_size_schedule!r}: "
+                              f"{error}") from None
+        flag = "--step-batch-size-schedule"
+    elif args.rampup_batch_size is not None:
+        start, increment, samples = args.rampup_batch_size
+        require(start > 0 and increment > 0 and samples >= 0, "--rampup-batch-size START "
+                f"INCREMENT SAMPLES must be positive (SAMPLES >= 0), got {start} {increment} "
+                f"{samples}")
+        require(start <= args.global_batch_size and
+                (args.global_batch_size - start) % increment == 0,
+                f"--rampup-batch-size: --global-batch-size ({args.global_batch_size}) must be "
+                f"START ({start}) plus a multiple of INCREMENT ({increment})")
+        schedule = batch_schedule.rampup_schedule(tuple(args.rampup_batch_size),
+                                                  args.global_batch_size)
+        flag = "--rampup-batch-size"
+    else:
+        return None
+    per_step = args.micro_batch_size * ctx.dims.dp
+    bad = [size for size in batch_schedule.batch_sizes(schedule, 0) if size % per_step]
+    require(not bad, f"{flag}: global batch sizes {bad} are not multiples of --micro-batch-size "
+            f"x data-parallel size ({args.micro_batch_size} x {ctx.dims.dp} = {per_step})")
+    return schedule
+
+
+def _eval_batches(args, ctx: Context) -> None:
+    """--eval-micro-batch-size / --eval-global-batch-size (defaults: the training ones)."""
+    if args.eval_micro_batch_size is None:
+        args.eval_micro_batch_size = args.micro_batch_size
+    if args.eval_global_batch_size is None:
+        args.eval_global_batch_size = args.global_batch_size
+    per_step = args.eval_micro_batch_size * ctx.dims.dp
+    require(args.eval_global_batch_size % per_step == 0,
+            f"--eval-global-batch-size ({args.eval_global_batch_size}) must be a multiple of "
+            f"--eval-micro-batch-size x data-parallel size ({args.eval_micro_batch_size} x "
+            f"{ctx.dims.dp} = {per_step})")
+    args.eval_num_microbatches = args.eval_global_batch_size // per_step
+
+
+def _check_profile(args, ctx: Context) -> None:
+    args.profile_ranks = tuple(args.profile_ranks)
+    if not args.profile:
+        if args.use_pytorch_profiler:
+            ctx.warnings.append("--use-pytorch-profiler profiles nothing without --profile")
+        return
+    require(0 <= args.profile_step_start < args.profile_step_end,
+            f"--profile-step-start ({args.profile_step_start}) must be >= 0 and < "
+            f"--profile-step-end ({args.profile_step_end})")
+    bad = [rank for rank in args.profile_ranks if not 0 <= rank < ctx.dims.world_size]
+    require(not bad, f"--profile-ranks {bad} are not ranks of this run (world size "
+            f"{ctx.dims.world_size})")
+    if not args.use_pytorch_profiler and not ctx.cuda:
+        ctx.warnings.append("--profile without --use-pytorch-profiler marks an nsys range, "
+                            "which needs CUDA: nothing is profiled on CPU; add "
+                            "--use-pytorch-profiler for a torch.profiler trace")

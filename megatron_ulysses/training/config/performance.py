@@ -1,0 +1,361 @@
+"""The performance section: Megatron-LM's GPU speed features, each through megatron-core's own
+piece and with Megatron-LM's meaning and rules.
+
+    FP8 GEMMs (Transformer Engine)        -> TransformerConfig.fp8*      (`transformer_kwargs`)
+    overlapped param all-gather, bf16 grad
+    reduce, distributed-optimizer instances -> DistributedDataParallelConfig (`ddp_kwargs`)
+    precision-aware optimizer, CPU offload  -> megatron-core's OptimizerConfig (`optimizer_kwargs`)
+    deferred embedding wgrad (PP > 1)       -> TransformerConfig
+
+FP8 runs inside each rank's layers: the Ulysses all-to-alls move q/k/v and the attention output
+in the activation dtype (bf16/fp16), and `--fp8-dot-product-attention` makes the attention
+between the two all-to-alls FP8 (TE's kernel, so only --ulysses-attention-backend te).
+Megatron FSDP, torch FSDP2, TP comm overlap (userbuffers) and CUDA graphs are accepted and
+validated as Megatron-LM validates them, then refused in one message: they are not wired into
+this package's model build. Every flag here needs CUDA: on CPU one message names those given.
+"""
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Optional
+
+from ...backends import te_available
+from ...errors import ConfigError
+from .checks import Context, check_range, require
+
+_SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+_FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
+
+# (flag, dest, its value when not given): the GPU-only flags (all but --ddp-average-in-collective).
+_FP8_FLAGS = (
+    ("--fp8-format", "fp8", None), ("--fp8-recipe", "fp8_recipe", "delayed"),
+    ("--fp8-margin", "fp8_margin", 0), ("--fp8-amax-history-len", "fp8_amax_history_len", 1),
+    ("--fp8-amax-compute-algo", "fp8_amax_compute_algo", "most_recent"),
+    ("--fp8-param-gather", "fp8_param_gather", False),
+    ("--fp8-dot-product-attention", "fp8_dot_product_attention", False),
+)
+_FSDP_FLAGS = (
+    ("--use-megatron-fsdp", "use_megatron_fsdp", False),
+    ("--use-torch-fsdp2", "use_torch_fsdp2", False),
+    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy",
+     "optim_grads_params"),
+    ("--init-model-with-meta-device", "init_model_with_meta_device", False),
+    ("--use-nccl-ub", "nccl_ub", False), ("--fsdp-double-buffer", "fsdp_double_buffer", False),
+    ("--fsdp-manual-registration", "fsdp_manual_registration", False),
+    ("--megatron-fsdp-main-params-dtype", "megatron_fsdp_main_params_dtype", "fp32"),
+    ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
+    ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
+    ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
+)
+_OTHER_FLAGS = (
+    ("--overlap-param-gather", "overlap_param_gather", False),
+    ("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step",
+     False),
+    ("--grad-reduce-in-bf16", "grad_reduce_in_bf16", False),
+    ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances", 1),
+    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
+    ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
+    ("--optimizer-offload-fraction", "optimizer_offload_fraction", 1.0),
+    ("--tp-comm-overlap", "tp_comm_overlap", False),
+    ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None),
+    ("--cuda-graph-impl", "cuda_graph_impl", "none"),
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", False),
+    ("--wgrad-deferral-limit", "wgrad_deferral_limit", 0),
+)
+
+
+@dataclass(frozen=True)
+class PerformanceConfig:
+    """What megatron-core's configs receive from this section (defaults: none of it)."""
+
+    fp8: Optional[str] = None  # --fp8-format
+    fp8_recipe: str = "delayed"
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
+    fp8_param_gather: bool = False
+    fp8_dot_product_attention: bool = False
+    overlap_param_gather: bool = False
+    grad_reduce_in_bf16: bool = False
+    num_distributed_optimizer_instances: int = 1
+    use_precision_aware_optimizer: bool = False
+    optimizer_cpu_offload: bool = False
+    optimizer_offload_fraction: float = 1.0
+    defer_embedding_wgrad_compute: bool = False
+    wgrad_deferral_limit: int = 0
+
+
+def transformer_kwargs(perf: PerformanceConfig) -> dict:
+    """TransformerConfig's fields, as Megatron-LM's core_transformer_config_from_args sets them
+    (same names; `fp8_param` from --fp8-param-gather)."""
+    return dict(fp8=perf.fp8, fp8_recipe=perf.fp8_recipe, fp8_margin=perf.fp8_margin,
+                fp8_amax_history_len=perf.fp8_amax_history_len,
+                fp8_amax_compute_algo=perf.fp8_amax_compute_algo,
+                fp8_param=perf.fp8_param_gather,
+                fp8_dot_product_attention=perf.fp8_dot_product_attention,
+                defer_embedding_wgrad_compute=perf.defer_embedding_wgrad_compute,
+                wgrad_deferral_limit=perf.wgrad_deferral_limit)
+
+
+def ddp_kwargs(perf: PerformanceConfig) -> dict:
+    """DistributedDataParallelConfig's fields, as Megatron-LM's get_megatron_ddp_config sets
+    them: grads accumulate and reduce in fp32 unless --grad-reduce-in-bf16."""
+    return dict(grad_reduce_in_fp32=not perf.grad_reduce_in_bf16,
+                overlap_param_gather=perf.overlap_param_gather,
+                num_distributed_optimizer_instances=perf.num_distributed_optimizer_instances,
+                fp8_param_gather=perf.fp8_param_gather)
+
+
+def optimizer_kwargs(perf: PerformanceConfig) -> dict:
+    """megatron-core OptimizerConfig's fields (the FP8 recipe only with FP8)."""
+    return dict(overlap_param_gather=perf.overlap_param_gather,
+                use_precision_aware_optimizer=perf.use_precision_aware_optimizer,
+                optimizer_cpu_offload=perf.optimizer_cpu_offload,
+                optimizer_offload_fraction=perf.optimizer_offload_fraction,
+                fp8_recipe=perf.fp8_recipe if perf.fp8 else None)
+
+
+def add_arguments(parser) -> None:
+    g = parser.add_argument_group("performance (GPU; Megatron-LM's flags and meanings)")
+    g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None,
+                   help="FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
+                   "transformer_engine and --bf16/--fp16); hybrid: e4m3 forward, e5m2 backward")
+    g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8",
+                                            "custom"), default="delayed",
+                   help="FP8 scaling: delayed (amax history), tensorwise (current scaling), "
+                   "blockwise (Hopper+); mxfp8 needs Blackwell")
+    g.add_argument("--fp8-margin", type=int, default=0, help="FP8 scaling-factor margin")
+    g.add_argument("--fp8-amax-history-len", type=int, default=1,
+                   help="delayed scaling: the amax history length")
+    g.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"),
+                   default="most_recent", help="delayed scaling: amax from the history")
+    g.add_argument("--fp8-param-gather", action="store_true",
+                   help="keep the compute weights in FP8 and all-gather them in FP8 (with "
+                   "--use-distributed-optimizer)")
+    g.add_argument("--fp8-dot-product-attention", action="store_true",
+                   help="FP8 core attention between the two all-to-alls (TE's kernel: "
+                   "--ulysses-attention-backend te only)")
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="the distributed optimizer's param all-gather overlaps the next "
+                   "forward (needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="needs interleaved pipeline parallelism, which is not built here")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="accepted: the gradient is always summed over DP x SP and divided by "
+                   "the global batch's token count (per-token loss), so where the division "
+                   "happens does not change it")
+    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
+                   help="shard the distributed optimizer over DP x SP / N ranks, N replicas")
+    g.add_argument("--use-precision-aware-optimizer", action="store_true",
+                   help="TE's FusedAdam with low-precision states (distributed optimizer)")
+    g.add_argument("--optimizer-cpu-offload", action="store_true",
+                   help="optimizer states and step on the CPU (megatron-core's "
+                   "HybridDeviceOptimizer; needs --use-precision-aware-optimizer)")
+    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
+                   help="with --optimizer-cpu-offload: the fraction of states on the CPU")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="TE userbuffers TP overlap: validated, not wired yet (refused)")
+    g.add_argument("--tp-comm-overlap-cfg", default=None,
+                   help="with --tp-comm-overlap: the userbuffers YAML")
+    g.add_argument("--cuda-graph-impl", choices=("none", "local", "transformer_engine",
+                                                 "full_iteration"), default="none",
+                   help="CUDA graphs: only none (the others are not wired)")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
+                   help="PP > 1: the output layer's weight-gradient GEMMs run in the pipeline "
+                   "flush (needs gradient-accumulation fusion)")
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+                   help="micro batches whose output-layer wgrad is deferred (0: all)")
+    _add_fsdp_arguments(g)
+
+
+def _add_fsdp_arguments(g) -> None:
+    """Megatron FSDP and torch FSDP2: validated as Megatron-LM does, then refused."""
+    g.add_argument("--use-megatron-fsdp", action="store_true", help="not wired yet (refused)")
+    g.add_argument("--use-torch-fsdp2", action="store_true", help="not wired yet (refused)")
+    g.add_argument("--data-parallel-sharding-strategy", choices=_SHARDING,
+                   default="optim_grads_params", help="with --use-megatron-fsdp")
+    g.add_argument("--init-model-with-meta-device", action="store_true",
+                   help="with --use-megatron-fsdp")
+    g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
+                   help="with --use-megatron-fsdp")
+    g.add_argument("--fsdp-double-buffer", action="store_true", help="with --use-megatron-fsdp")
+    g.add_argument("--fsdp-manual-registration", action="store_true",
+                   help="with --use-megatron-fsdp and --use-nccl-ub")
+    g.add_argument("--megatron-fsdp-main-params-dtype", choices=_FSDP_DTYPES, default="fp32")
+    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=_FSDP_DTYPES, default="auto")
+    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=_FSDP_DTYPES, default="auto")
+    g.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"),
+                   default="no_shard", help="with --use-megatron-fsdp")
+
+
+def check_values(args) -> None:
+    check_range(args, "fp8_amax_history_len", low=1)
+    check_range(args, "fp8_margin", low=0)
+    check_range(args, "num_distributed_optimizer_instances", low=1)
+    check_range(args, "optimizer_offload_fraction", low=0, high=1)
+    check_range(args, "wgrad_deferral_limit", low=0)
+
+
+def given_flags(args, table) -> list:
+    """The flags of `table` given a value other than their default."""
+    return [flag for flag, dest, off in table if getattr(args, dest) != off]
+
+
+def validate(args, ctx: Context) -> None:
+    """On CPU one message for all the flags given; on GPU Megatron-LM's rules, then the features
+    not wired here refused."""
+    given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _OTHER_FLAGS)
+    if not ctx.cuda:
+        require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                "CUDA (GPU performance features of megatron-core and Transformer Engine); "
+                "CPU runs do without: drop " + ("it" if len(given) == 1 else "them"))
+        return
+    _check_fp8(args)
+    _check_ddp(args, ctx)
+    _check_optimizer(args)
+    require(not args.defer_embedding_wgrad_compute or ctx.dims.pp > 1,
+            "--defer-embedding-wgrad-compute defers into the pipeline flush: it needs "
+            "--pipeline-model-parallel-size > 1")
+    require(not args.defer_embedding_wgrad_compute or args.tiled_loss_shards is None,
+            "--defer-embedding-wgrad-compute defers the output layer's GEMM, which "
+            "--tiled-loss-shards computes per tile: drop one")
+    # megatron-core's TransformerConfig refuses it without the fused wgrad accumulation
+    require(not args.defer_embedding_wgrad_compute or (
+        not args.no_gradient_accumulation_fusion
+        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+        "--defer-embedding-wgrad-compute needs gradient-accumulation fusion (apex's "
+        "fused_weight_gradient_mlp_cuda, without --no-gradient-accumulation-fusion)")
+    _check_tp_comm_overlap(args, ctx)
+    _check_fsdp(args)
+    require(args.cuda_graph_impl == "none",
+            f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not wired into "
+            "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
+
+
+def _check_fp8(args) -> None:
+    """Megatron-LM's and Transformer Engine's FP8 rules, on the flags of this run."""
+    if args.fp8 is None:
+        extra = given_flags(args, _FP8_FLAGS[1:])
+        require(not extra, f"{', '.join(extra)} set FP8 options without FP8: add --fp8-format "
+                "hybrid (or e4m3), or drop them")
+        return
+    require(args.transformer_impl == "transformer_engine",
+            f"--fp8-format {args.fp8} runs Transformer Engine's FP8 GEMMs: it needs "
+            "--transformer-impl transformer_engine")
+    require(args.bf16 or args.fp16, f"--fp8-format {args.fp8} needs --bf16 or --fp16 (the "
+            "weights, the Ulysses all-to-all and the non-FP8 ops run in that dtype)")
+    _check_fp8_recipe(args)
+    require(not args.fp8_param_gather or args.use_distributed_optimizer,
+            "--fp8-param-gather all-gathers the distributed optimizer's FP8 weights: it needs "
+            "--use-distributed-optimizer")
+    require(not args.fp8_dot_product_attention or args.ulysses_attention_backend == "te",
+            "--fp8-dot-product-attention runs TE's FP8 attention kernel: it needs "
+            f"--ulysses-attention-backend te, not {args.ulysses_attention_backend}")
+
+
+def _check_fp8_recipe(args) -> None:
+    """The recipes this GPU and TE run (megatron-core's fp8_utils picks TE's recipe class)."""
+    import torch
+    from megatron.core.utils import is_te_min_version
+
+    recipe = args.fp8_recipe
+    require(recipe != "custom", "--fp8-recipe custom needs Megatron-LM's "
+            "--fp8-quantizer-factory, which megatron_ulysses does not take; use delayed, "
+            "tensorwise or blockwise")
+    major, minor = torch.cuda.get_device_capability()
+    require(recipe != "mxfp8" or major >= 10,
+            f"--fp8-recipe mxfp8 needs a Blackwell GPU (compute capability 10.0+), this one is "
+            f"{major}.{minor}; use delayed, tensorwise or blockwise (Hopper)")
+    require((major, minor) >= (8, 9), f"--fp8-format needs FP8 tensor cores (Ada / Hopper, "
+            f"compute capability 8.9+); this GPU is {major}.{minor}")
+    require(recipe != "blockwise" or major >= 9,
+            f"--fp8-recipe blockwise needs Hopper (9.0+); this GPU is {major}.{minor}")
+    needs = {"tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
+    require(recipe not in needs or is_te_min_version(needs[recipe]),
+            f"--fp8-recipe {recipe} needs Transformer Engine >= {needs.get(recipe)}; upgrade "
+            "it or use --fp8-recipe delayed")
+
+
+def _check_ddp(args, ctx: Context) -> None:
+    """The distributed optimizer's overlap and instances, bf16 grad reduction (Megatron-LM's
+    validate_args)."""
+    if args.overlap_param_gather:
+        require(args.use_distributed_optimizer, "--overlap-param-gather overlaps the "
+                "distributed optimizer's all-gather: it needs --use-distributed-optimizer")
+        require(args.overlap_grad_reduce,
+                "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
+    require(not args.overlap_param_gather_with_optimizer_step,
+            "--overlap-param-gather-with-optimizer-step needs interleaved pipeline "
+            "parallelism (a virtual pipeline), which megatron_ulysses does not build; use "
+            "--overlap-param-gather")
+    require(not args.grad_reduce_in_bf16 or args.bf16,
+            "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
+    instances = args.num_distributed_optimizer_instances
+    if instances > 1:
+        require(args.use_distributed_optimizer, f"--num-distributed-optimizer-instances "
+                f"{instances} splits the distributed optimizer: it needs "
+                "--use-distributed-optimizer")
+        shards = ctx.dims.dp * ctx.dims.sp
+        require(shards % instances == 0,
+                f"--num-distributed-optimizer-instances {instances} must divide the ranks the "
+                f"distributed optimizer shards over, data parallel x --ulysses-sp-size = "
+                f"{ctx.dims.dp} x {ctx.dims.sp} = {shards}")
+
+
+def _check_optimizer(args) -> None:
+    """megatron-core's precision-aware optimizer and CPU offload (Megatron-LM's rules)."""
+    if args.use_precision_aware_optimizer:
+        require(args.use_distributed_optimizer,
+                "--use-precision-aware-optimizer needs --use-distributed-optimizer")
+        require(te_available(), "--use-precision-aware-optimizer runs Transformer Engine's "
+                "FusedAdam: install Transformer Engine")
+    if args.optimizer_cpu_offload:
+        require(args.use_precision_aware_optimizer, "--optimizer-cpu-offload needs "
+                "--use-precision-aware-optimizer (the hybrid optimizer reuses its code path)")
+        require(not args.fp8_param_gather or args.fp8_recipe == "delayed",
+                "--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed")
+    else:
+        require(args.optimizer_offload_fraction == 1.0,
+                "--optimizer-offload-fraction needs --optimizer-cpu-offload")
+
+
+def _check_tp_comm_overlap(args, ctx: Context) -> None:
+    """Megatron-LM's rules for TE's userbuffers overlap, then refused (not wired)."""
+    require(args.tp_comm_overlap_cfg is None or args.tp_comm_overlap,
+            "--tp-comm-overlap-cfg needs --tp-comm-overlap")
+    if not args.tp_comm_overlap:
+        return
+    require(ctx.dims.tp > 1 and args.sequence_parallel,
+            "--tp-comm-overlap overlaps TP's sequence-parallel communication with the GEMMs: "
+            "it needs --tensor-model-parallel-size > 1 and --sequence-parallel")
+    require(args.transformer_impl == "transformer_engine",
+            "--tp-comm-overlap needs --transformer-impl transformer_engine")
+    raise_not_wired("--tp-comm-overlap", "Transformer Engine's userbuffers are not "
+                    "initialized for the Ulysses-local sequence")
+
+
+def _check_fsdp(args) -> None:
+    """Megatron-LM's FSDP rules, then one refusal naming the flags given."""
+    given = given_flags(args, _FSDP_FLAGS)
+    if not given:
+        return
+    if args.use_torch_fsdp2:
+        require(not args.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp are "
+                "exclusive; give one")
+        require(not args.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with "
+                "megatron-core's distributed optimizer: drop --use-distributed-optimizer")
+    if args.use_megatron_fsdp and args.init_model_with_meta_device:
+        require(args.data_parallel_sharding_strategy != "no_shard",
+                "--init-model-with-meta-device is not supported with "
+                "--data-parallel-sharding-strategy no_shard")
+    require(not args.fsdp_manual_registration or (args.use_megatron_fsdp and args.nccl_ub),
+            "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub")
+    raise_not_wired(", ".join(given), "FSDP is not wired into megatron_ulysses' model and "
+                    "optimizer build yet; shard the optimizer state over DP x SP with "
+                    "--use-distributed-optimizer instead")
+
+
+def raise_not_wired(flags: str, why: str) -> None:
+    raise ConfigError(f"{flags}: not supported yet: {why}")

@@ -1,0 +1,102 @@
+"""Megatron-LM's GPU speed flags through pretrain_gpt.py on one GPU (`training/config/
+performance.py`), each run one process, all started together in two waves:
+
+- FP8 (`--fp8-format hybrid`, recipes delayed and tensorwise, Transformer Engine's layers and
+  attention) tracks bf16's losses within FP8_TOL over ITERS iterations, and is not bf16 (some
+  loss differs: the flags reached TE).
+- The distributed optimizer with `--overlap-grad-reduce --overlap-param-gather` logs the digits
+  of the run without the overlap (`--deterministic-mode`; one rank, so this checks the wiring
+  of megatron-core's forward pre-hooks and the gather before each save, not the overlap).
+- FP8 with `--fp8-param-gather` (FP8 weights all-gathered by the distributed optimizer) and
+  with `--fp8-dot-product-attention` (TE's FP8 attention between the all-to-alls; without
+  --deterministic-mode, which excludes TE's FP8 attention kernels) track bf16 the same way.
+- `--grad-reduce-in-bf16` and the precision-aware optimizer with half its states offloaded to
+  the CPU (`--optimizer-cpu-offload --optimizer-offload-fraction 0.5`) track bf16 within
+  CLOSE_TOL (only rounding differs).
+- FP8 save + resume: a delayed-scaling run saved at HALF and resumed logs the uninterrupted
+  run's digits after HALF (the amax histories and scales are TE's `_extra_state` in the
+  checkpoint; without them the resumed scales would differ).
+"""
+
+import pytest
+from test_trainer import Run, _wave, report
+
+ITERS, HALF = 20, 10
+MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "8",
+         "--ffn-hidden-size", "1536", "--swiglu", "--normalization", "RMSNorm",
+         "--position-embedding-type", "rope", "--disable-bias-linear",
+         "--untie-embeddings-and-output-weights", "--attention-dropout", "0",
+         "--hidden-dropout", "0", "--seq-length", "2048"]
+RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr",
+       "1e-4", "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--train-iters",
+       str(ITERS), "--log-interval", "1", "--num-workers", "0", "--eval-iters", "0", "--bf16",
+       "--transformer-impl", "transformer_engine", "--ulysses-attention-backend", "te",
+       "--use-distributed-optimizer", "--deterministic-mode", "--mock-data", "--vocab-size",
+       "2048"]
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
+       "max"]
+OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
+# FP8 (e4m3 forward, e5m2 backward) against bf16 on this model: each iteration's loss within
+# 5% (FP8 rounds every GEMM input to 3 mantissa bits; the losses fall from ~7.7 to ~3).
+FP8_TOL = 5e-2
+CLOSE_TOL = 2e-2  # bf16 gradient accumulation / another Adam implementation: rounding only
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    work = tmp_path_factory.mktemp("perf_runs")
+    half = str(work / "ckpt_fp8_half")
+    done = _wave([
+        Run("bf16", [*MODEL, *RUN], work),
+        Run("overlap", [*MODEL, *RUN, *OVERLAP, "--save", str(work / "ckpt_overlap"),
+                        "--save-interval", str(HALF)], work),
+        Run("fp8_delayed", [*MODEL, *RUN, *FP8, "--fp8-recipe", "delayed"], work),
+        Run("fp8_tensorwise", [*MODEL, *RUN, *FP8, "--fp8-recipe", "tensorwise"], work),
+        Run("fp8_param_gather", [*MODEL, *RUN, *FP8, "--fp8-param-gather"], work),
+        Run("fp8_attention", [*MODEL, *[f for f in RUN if f != "--deterministic-mode"], *FP8,
+                              "--fp8-dot-product-attention"], work),
+        Run("grad_reduce_in_bf16", [*MODEL, *RUN, "--grad-reduce-in-bf16"], work),
+        Run("cpu_offload", [*MODEL, *RUN, "--use-precision-aware-optimizer",
+                            "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
+            work),
+        Run("fp8_half", [*MODEL, *RUN, *FP8, "--fp8-recipe", "delayed", "--save", half,
+                         "--exit-interval", str(HALF)], work),
+    ])
+    done.update(_wave([
+        Run("fp8_resumed", [*MODEL, *RUN, *FP8, "--fp8-recipe", "delayed", "--load", half],
+            work),
+    ]))
+    return done
+
+
+def _tracks_bf16(runs, name, tolerance):
+    bf16, got = runs["bf16"].check().losses, runs[name].check().losses
+    assert sorted(got) == sorted(bf16) == list(range(1, ITERS + 1))
+    report(f"{name}_vs_bf16", worst_rel=max(abs(got[i] - bf16[i]) / bf16[i] for i in bf16))
+    assert got != bf16, f"{name} logged bf16's digits: its flags did not reach megatron-core"
+    for i in bf16:
+        assert got[i] == pytest.approx(bf16[i], rel=tolerance), (name, i)
+
+
+@pytest.mark.parametrize("name", ["fp8_delayed", "fp8_tensorwise", "fp8_param_gather",
+                                  "fp8_attention"])
+def test_fp8_tracks_bf16(runs, name):
+    _tracks_bf16(runs, name, FP8_TOL)
+
+
+@pytest.mark.parametrize("name", ["grad_reduce_in_bf16", "cpu_offload"])
+def test_low_precision_reduce_and_offloaded_optimizer_track_bf16(runs, name):
+    _tracks_bf16(runs, name, CLOSE_TOL)
+
+
+def test_overlapped_param_gather_logs_the_digits_without_it(runs):
+    plain, overlap = runs["bf16"].check(), runs["overlap"].check()
+    assert overlap.iterations == plain.iterations
+    assert len(plain.iterations) == ITERS
+
+
+def test_fp8_checkpoint_resumes_the_run(runs):
+    full, resumed = runs["fp8_delayed"].check(), runs["fp8_resumed"].check()
+    runs["fp8_half"].check()
+    after = {i: v for i, v in full.iterations.items() if i > HALF}
+    assert resumed.iterations == after

@@ -1,0 +1,164 @@
+"""The performance section (`training/config/performance.py`): on CPU its GPU-only flags are named
+in one message; on a GPU node (CUDA, TE and the GPU's generation mocked) Megatron-LM's rules
+hold, the features not wired here are refused, and what is accepted reaches megatron-core's
+TransformerConfig, DistributedDataParallelConfig and OptimizerConfig. tests/gpu/test_perf_flags.py
+trains with them."""
+
+import dataclasses
+from unittest import mock
+
+import pytest
+import torch
+from megatron.core.distributed import DistributedDataParallelConfig
+from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+
+from megatron_ulysses.training import arguments
+from megatron_ulysses.training.arguments import ConfigError, parse_args
+from megatron_ulysses.training.config import model as model_section
+from megatron_ulysses.training.config import performance
+from megatron_ulysses.training.config.performance import optimizer_kwargs
+from megatron_ulysses.training.model import ddp_config_kwargs, transformer_config
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
+        "--seq-length", "64", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "3",
+        "--mock-data", "--vocab-size", "256"]
+FP8 = ["--bf16", "--fp8-format", "hybrid"]
+DIST_OPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+
+
+def on_gpu(argv, world_size=1, capability=(9, 0)):
+    """`validate_args` as on a GPU node with Transformer Engine (the GPU's generation mocked)."""
+    with mock.patch.object(model_section, "te_available", return_value=True), \
+            mock.patch.object(model_section, "resolve_backend", side_effect=lambda name: name), \
+            mock.patch.object(performance, "te_available", return_value=True), \
+            mock.patch("torch.cuda.get_device_capability", return_value=capability), \
+            mock.patch("megatron.core.utils.is_te_min_version", return_value=True):
+        args = arguments.build_parser().parse_args(BASE + argv)
+        return arguments.validate_args(args, world_size, cuda=True)
+
+
+def test_gpu_only_flags_on_cpu_are_named_in_one_message():
+    flags = ["--fp8-format", "hybrid", "--overlap-param-gather", "--use-megatron-fsdp",
+             "--num-distributed-optimizer-instances", "2", "--cuda-graph-impl", "local"]
+    with pytest.raises(ConfigError) as error:
+        parse_args(BASE + flags, world_size=1)
+    message = str(error.value)
+    for flag in ("--fp8-format", "--overlap-param-gather", "--use-megatron-fsdp",
+                 "--num-distributed-optimizer-instances", "--cuda-graph-impl"):
+        assert flag in message
+    assert "need CUDA" in message and message.count("\n") == 0
+
+
+def test_cpu_run_takes_the_defaults_and_ddp_average_in_collective():
+    config = parse_args(BASE + ["--ddp-average-in-collective", "--cuda-graph-impl", "none"],
+                        world_size=1)
+    assert config.performance == performance.PerformanceConfig()
+    ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer,
+                                                            config.performance))
+    assert ddp.grad_reduce_in_fp32 and not ddp.average_in_collective
+    assert not ddp.overlap_param_gather and ddp.num_distributed_optimizer_instances == 1
+    assert transformer_config(config.model, config.dims, config.performance).fp8 is None
+
+
+def test_accepted_flags_reach_megatron_cores_configs():
+    config = on_gpu(FP8 + DIST_OPT + [
+        "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "1024",
+        "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--fp8-param-gather",
+        "--fp8-dot-product-attention", "--ulysses-attention-backend", "te",
+        "--overlap-param-gather", "--grad-reduce-in-bf16",
+        "--num-distributed-optimizer-instances", "2", "--ulysses-sp-size", "2"], world_size=2)
+    core = transformer_config(config.model, config.dims, config.performance)
+    assert (core.fp8, core.fp8_recipe, core.fp8_amax_history_len, core.fp8_amax_compute_algo,
+            core.fp8_margin, core.fp8_param, core.fp8_dot_product_attention) == \
+        ("hybrid", "tensorwise", 1024, "max", 1, True, True)
+    ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer,
+                                                            config.performance))
+    assert (ddp.grad_reduce_in_fp32, ddp.overlap_grad_reduce, ddp.overlap_param_gather,
+            ddp.use_distributed_optimizer, ddp.num_distributed_optimizer_instances,
+            ddp.fp8_param_gather) == (False, True, True, True, 2, True)
+    optimizer = dataclasses.replace(
+        McoreOptimizerConfig(optimizer="adam", lr=1e-3, bf16=True, params_dtype=torch.bfloat16,
+                             use_distributed_optimizer=True),
+        **optimizer_kwargs(config.performance))
+    assert optimizer.overlap_param_gather and optimizer.fp8_recipe == "tensorwise"
+
+
+def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
+    config = on_gpu(["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
+                     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"])
+    # its check of the precision-aware optimizer asks TE's version (not installed here)
+    with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version",
+                    return_value=True):
+        optimizer = dataclasses.replace(
+            McoreOptimizerConfig(optimizer="adam", lr=1e-3, bf16=True,
+                                 params_dtype=torch.bfloat16, use_distributed_optimizer=True),
+            **optimizer_kwargs(config.performance))
+    assert (optimizer.use_precision_aware_optimizer, optimizer.optimizer_cpu_offload,
+            optimizer.optimizer_offload_fraction, optimizer.fp8_recipe) == (True, True, 0.5, None)
+
+
+@pytest.mark.parametrize("argv, world_size, match", [
+    (FP8 + ["--transformer-impl", "local"], 1, "needs --transformer-impl transformer_engine"),
+    (["--fp8-format", "hybrid"], 1, "needs --bf16 or --fp16"),
+    (FP8 + ["--fp8-recipe", "mxfp8"], 1, "mxfp8 needs a Blackwell GPU"),
+    (FP8 + ["--fp8-recipe", "custom"], 1, "--fp8-quantizer-factory"),
+    (FP8 + ["--fp8-param-gather"], 1, "--fp8-param-gather .* needs --use-distributed-optimizer"),
+    (FP8 + ["--fp8-dot-product-attention", "--ulysses-attention-backend", "sdpa"], 1,
+     "--ulysses-attention-backend te, not sdpa"),
+    (["--bf16", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"], 1,
+     "--fp8-recipe, --fp8-margin set FP8 options without FP8"),
+    (["--bf16", "--overlap-param-gather", "--overlap-grad-reduce"], 1,
+     "needs --use-distributed-optimizer"),
+    (["--bf16", "--overlap-param-gather", "--use-distributed-optimizer"], 1,
+     "--overlap-param-gather needs --overlap-grad-reduce"),
+    (["--bf16", "--overlap-param-gather-with-optimizer-step"] + DIST_OPT, 1,
+     "interleaved pipeline"),
+    (["--fp16", "--grad-reduce-in-bf16"], 1, "--grad-reduce-in-bf16 .* needs --bf16"),
+    (["--bf16", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
+     4, r"must divide .* 4 x 1 = 4"),
+    (["--bf16", "--num-distributed-optimizer-instances", "2"], 2,
+     "needs --use-distributed-optimizer"),
+    (["--bf16", "--use-distributed-optimizer", "--optimizer-cpu-offload"], 1,
+     "--optimizer-cpu-offload needs --use-precision-aware-optimizer"),
+    (["--bf16", "--optimizer-offload-fraction", "0.5"], 1, "needs --optimizer-cpu-offload"),
+    (["--bf16", "--tp-comm-overlap"], 1, "needs --tensor-model-parallel-size > 1 and "
+     "--sequence-parallel"),
+    (["--bf16", "--tp-comm-overlap", "--tensor-model-parallel-size", "2",
+      "--sequence-parallel"], 2, "--tp-comm-overlap: not supported yet"),
+    (["--bf16", "--cuda-graph-impl", "transformer_engine"], 1, "CUDA graphs are not wired"),
+    (["--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
+      "--use-distributed-optimizer"], 1,
+     "--use-megatron-fsdp, --data-parallel-sharding-strategy: not supported yet: FSDP is not "
+     "wired"),
+    (["--bf16", "--use-torch-fsdp2", "--use-distributed-optimizer"], 1,
+     "--use-torch-fsdp2 is not supported with megatron-core's distributed optimizer"),
+    (["--bf16", "--use-megatron-fsdp", "--fsdp-manual-registration"], 1,
+     "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub"),
+    (["--bf16", "--defer-embedding-wgrad-compute"], 1, "--pipeline-model-parallel-size > 1"),
+    (["--bf16", "--defer-embedding-wgrad-compute", "--pipeline-model-parallel-size", "2",
+      "--no-gradient-accumulation-fusion"], 2, "needs gradient-accumulation fusion"),
+])
+def test_megatron_lms_rules_on_gpu(argv, world_size, match):
+    with pytest.raises(ConfigError, match=match):
+        on_gpu(argv, world_size)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("--fp8-amax-history-len", "0"), ("--fp8-margin", "-1"),
+    ("--num-distributed-optimizer-instances", "0"), ("--optimizer-offload-fraction", "1.5"),
+    ("--wgrad-deferral-limit", "-1"),
+])
+def test_bad_values_name_the_flag(name, value):
+    with pytest.raises(ConfigError, match=name):
+        parse_args(BASE + [name, value], world_size=1)
+
+
+def test_pipeline_schedule_flags_are_checked_then_refused():
+    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage needs "
+                       "--pipeline-model-parallel-size > 1"):
+        parse_args(BASE + ["--num-layers-per-virtual-pipeline-stage", "1"], world_size=1)
+    with pytest.raises(ConfigError, match="--num-layers-per-virtual-pipeline-stage, "
+                       "--decoder-first-pipeline-num-layers: not supported yet"):
+        on_gpu(["--bf16", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                "--num-layers-per-virtual-pipeline-stage", "1",
+                "--decoder-first-pipeline-num-layers", "1"], world_size=2)
