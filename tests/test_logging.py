@@ -73,13 +73,14 @@ def _norm_and_zeros(rank, world):
     from test_checkpointing import _build, _teardown
 
     from megatron_ulysses.training.logging import params_l2_norm
-    from megatron_ulysses.training.optimizer import CpuAdamW
+    from megatron_ulysses.training.optimizer import build_optimizer
 
     config, model, _, _ = _build(world)
     try:
         expected = torch.cat([p.detach().double().flatten() for p in model.parameters()]).norm()
         assert params_l2_norm(model) == pytest.approx(expected.item(), rel=1e-9)
-        optimizer = CpuAdamW(model, config.optimizer, log_num_zeros_in_grad=True)
+        optimizer = build_optimizer(config.optimizer, config.model, model,
+                                    log_num_zeros_in_grad=True)
         zeros = 0
         for index, param in enumerate(model.parameters()):
             param.main_grad = torch.ones_like(param)
