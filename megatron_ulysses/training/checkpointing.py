@@ -24,6 +24,10 @@ not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
 Model tensors are stored unsharded-by-layout, so a run can resume with another
 `--ulysses-sp-size` or data-parallel size (TP and PP must match).
 
+--async-save: the files are written by megatron-core's async writer and the steps after the
+write (fsync, record, rename, tracker, --save-retain-interval) are its request's finalize step
+(`checkpoint_saver`), so the tracker still moves last.
+
 Megatron-LM's torch_dist checkpoints load too (`megatron_lm_checkpoint` maps their common
 state onto ours): the model at any SP size, its LR schedule, iteration and consumed samples; RNG
 states restart from --seed.
