@@ -25,7 +25,9 @@ setup(
         "deepspeed": ["deepspeed"],
         "hf": ["transformers>=4.45", "safetensors"],  # Hugging Face import / export
         "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer
+        "wandb": ["wandb"],  # --wandb-project
         # regex: the GPT-2 and tiktoken reference encoders in the tests (\p{L}, \p{N})
-        "test": ["pytest", "transformers>=4.45", "safetensors", "regex", "tiktoken"],
+        "test": ["pytest", "transformers>=4.45", "safetensors", "regex", "tiktoken",
+                 "wandb"],
     },
 )

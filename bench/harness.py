@@ -237,9 +237,9 @@ class Trainer:
         if progress is not None:
             hook = self.model.register_forward_hook(lambda *_: progress("forward"))
         try:
-            loss, _, _ = train_step(itertools.repeat(batch), self.model, self.optimizer,
-                                    self.scheduler, self.config.training,
-                                    batch["tokens"].shape[1])
+            loss, *_ = train_step(itertools.repeat(batch), self.model, self.optimizer,
+                                  self.scheduler, self.config.training,
+                                  batch["tokens"].shape[1])
         finally:
             if hook is not None:
                 hook.remove()

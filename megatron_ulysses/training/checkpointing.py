@@ -24,6 +24,10 @@ not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
 Model tensors are stored unsharded-by-layout, so a run can resume with another
 `--ulysses-sp-size` or data-parallel size (TP and PP must match).
 
+--async-save: the files are written by megatron-core's async writer and the steps after the
+write (fsync, record, rename, tracker, --save-retain-interval) are its request's finalize step
+(`checkpoint_saver`), so the tracker still moves last.
+
 Megatron-LM's torch_dist checkpoints load too (`megatron_lm_checkpoint` maps their common
 state onto ours): the model at any SP size, its LR schedule, iteration and consumed samples; RNG
 states restart from --seed.
@@ -32,6 +36,7 @@ states restart from --seed.
 import contextlib
 import dataclasses
 import errno
+import functools
 import json
 import math
 import os
@@ -51,18 +56,22 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedTensor
-from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
+from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
 from megatron.core.dist_checkpointing.strategies.fully_parallel import (
-    FullyParallelSaveStrategyWrapper,
+    FullyParallelLoadStrategyWrapper,
 )
-from megatron.core.dist_checkpointing.validation import StrictHandling
+from megatron.core.dist_checkpointing.validation import (
+    StrictHandling,
+    maybe_report_missing_and_unexpected_keys,
+)
 from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from .. import processes
 from ..errors import ConfigError, flag_name
 from . import megatron_lm_checkpoint, save_guard
-from .logging import print_rank_0
+from .checkpoint_saver import CheckpointSaver
+from .logging import append_progress, print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -269,17 +278,6 @@ def _saved_args(config) -> dict:
     return {key: values[key] for key in _SAVED_ARGS}
 
 
-def _save_strategy(fully_parallel: bool):
-    """megatron-core's torch_dist save strategy; `fully_parallel` (--ckpt-fully-parallel-save):
-    each tensor replicated over megatron-core's DP group (DP x SP) is written by one of its
-    replicas, chosen to spread the bytes evenly, instead of all by the first (rank 0 at TP =
-    PP = 1 would write the whole model). The files are the same either way."""
-    strategy = get_default_save_sharded_strategy("torch_dist")
-    if not fully_parallel:
-        return strategy
-    return FullyParallelSaveStrategyWrapper(strategy, mpu.get_data_parallel_group())
-
-
 def _checkpoint_bytes(root: str, state) -> int:
     """About what a save of `state` writes, for an out-of-space message: the last checkpoint's
     files in `root`, else the tensors' bytes (each once, whole; files add headers)."""
@@ -296,39 +294,94 @@ def _checkpoint_bytes(root: str, state) -> int:
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, config,
-                    consumed_samples: int, extra_common: dict = None) -> None:
+                    consumed_samples: int, extra_common: dict = None,
+                    saver: CheckpointSaver = None) -> None:
     """Save durably to `<root>/iter_<iteration>` and point the "latest" marker at it.
     `config`: the `RunConfig` (the shape and optimizer values a load checks); `extra_common`:
-    more plain values for the common state (tools/convert_hf.py's "hf_config"). An I/O error is
-    one `save_guard.SaveError`, the committed checkpoints untouched."""
+    more plain values for the common state (tools/convert_hf.py's "hf_config"); `saver`: what
+    persists between the run's saves (with --async-save this returns once the write started and
+    `saver.finalize` commits it). An I/O error while writing is one `save_guard.SaveError`, the
+    committed checkpoints untouched."""
     start = time.time()
+    flags = config.checkpoint
+    saver = saver or CheckpointSaver(flags)
+    saver.finalize(blocking=True)  # the previous async save is committed first
     rank = dist.get_rank()
-    rng_states = _rng_tensors()
+    previous = read_tracker(root) if rank == 0 else None  # --save-retain-interval's candidate
+    rng_states = None if flags.no_save_rng else _rng_tensors()
     common = _plain({
         "format_version": FORMAT_VERSION, "iteration": iteration,
         "consumed_samples": consumed_samples,
         "args": _saved_args(config),
-        "rng_layout": _rng_layout(rng_states),
+        "rng_layout": _rng_layout(rng_states) if rng_states is not None else None,
+        **({"optimizer_refusal": "it was saved with --no-save-optim"}
+           if flags.no_save_optim else {}),
         **(extra_common or {}),
     }, "common state")
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=False,
+                                with_optimizer=not flags.no_save_optim,
                                 rng_states=rng_states, common=common)
     final = checkpoint_dir(root, iteration)
     needed = lambda: _checkpoint_bytes(root, state)  # noqa: E731 (only asked after a failure)
+    validate = saver.validate_structure
     with save_guard.staged_save(root, iteration, final, needed) as staging:
+        commit = functools.partial(_commit_save, root, iteration, staging, previous, flags)
         # Helpers (megatron-core's Manager, its writers) keep SIGTERM blocked: see processes.
         with processes.helpers_keep_sigterm_blocked(), _quiet_torch_checkpoint():
-            dist_checkpointing.save(state, staging, sharded_strategy=_save_strategy(
-                config.checkpoint.ckpt_fully_parallel_save))
-        dist.barrier()
-        _fsync_tree(staging, rank)
-        save_guard.seal(staging, rank)  # the files' record, checked before the rename
-        save_guard.on_rank_0(_commit, root, iteration, staging)
-    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to {final}")
+            request = dist_checkpointing.save(
+                state, staging, sharded_strategy=saver.strategy(),
+                validate_access_integrity=validate, async_sharded_save=flags.async_save,
+                **({"verify_integrity": True} if flags.verify_integrity else {}))
+            if request is not None:  # the write goes on in a helper; commit when it is done
+                request.add_finalize_fn(commit)
+                saver.schedule(request)
+        if request is None:
+            commit()
+    if request is not None:
+        print_rank_0(f" started an async save of iteration {iteration} to {staging}")
+        return
     if config.training.exit_signal_handler:
         late = processes.save_beyond_grace(time.time() - start)
         if late:
             print_rank_0(f" WARNING: {late}")
+
+
+def _commit_save(root: str, iteration: int, staging: str, previous, flags) -> None:
+    """Every rank, once every rank's files are written: fsync, the integrity record, rank 0's
+    rename and tracker update, then --save-retain-interval (an async save's finalize step)."""
+    rank = dist.get_rank()
+    dist.barrier()
+    _fsync_tree(staging, rank)
+    save_guard.seal(staging, rank)  # the files' record, checked before the rename
+    save_guard.on_rank_0(_commit, root, iteration, staging)
+    if rank == 0:
+        if flags.async_save and flags.log_progress:
+            append_progress(root, f"Saved async checkpoint\tIteration: {iteration}")
+        _retain(root, previous, iteration, flags)
+    print_rank_0(f" saved checkpoint at iteration {iteration:8d} to "
+                 f"{checkpoint_dir(root, iteration)}")
+
+
+def _retain(root: str, previous, iteration: int, flags) -> None:
+    """Rank 0, after the commit: --save-retain-interval deletes the previous checkpoint unless
+    its iteration is a multiple of the interval (Megatron-LM's rule; never the one just
+    written, never a symlink). A failed delete is a warning, as in Megatron-LM."""
+    interval = flags.save_retain_interval
+    if interval is None or not previous or previous == iteration or previous % interval == 0:
+        return
+    path = checkpoint_dir(root, previous)
+    if os.path.islink(path) or not os.path.isdir(path):
+        return
+    try:
+        shutil.rmtree(path)
+    except OSError as error:
+        print(f" WARNING: could not delete {path} (--save-retain-interval {interval}): {error}",
+              flush=True)
+        return
+    print(f"  deleted checkpoint from iteration {previous:7d} at {root} "
+          f"(--save-retain-interval {interval})", flush=True)
+    if flags.log_progress:
+        append_progress(root, f"Deleted checkpoint\tIteration: {previous}")
 
 
 # --- load ---------------------------------------------------------------------------------------
@@ -487,6 +540,8 @@ def _rng_states_to_load(path: str, common: dict, seed: int):
     if common.get("saved_by") == megatron_lm_checkpoint.SAVED_BY:
         why = ("it was saved by Megatron-LM, whose RNG states are one per TP x PP rank, seeded "
                "without Ulysses SP ranks")
+    elif saved_layout is None and "rng_layout" in common:
+        why = "it was saved with --no-save-rng"
     elif isinstance(saved_layout, dict) and all(
             saved_layout.get(k) == layout[k] for k in ("world_size", "tp", "pp", "sp")):
         why = (f"its RNG states {sorted(saved_layout.get('states', {}))} differ from "
@@ -510,6 +565,30 @@ def _load_scheduler(path: str, scheduler, state: dict) -> None:
             f"--load {path}: the LR schedule of the flags differs from the checkpoint's "
             f"({error}); pass --override-opt_param-scheduler to use the flags or "
             "--use-checkpoint-opt_param-scheduler to keep the checkpoint's") from None
+
+
+def _load_strategy(path: str, flags):
+    """megatron-core's load strategy for `path`; --ckpt-fully-parallel-load: each DP x SP replica
+    reads a slice of the replicated tensors and they exchange them."""
+    if not flags.ckpt_fully_parallel_load:
+        return None
+    return FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path),
+                                            mpu.get_data_parallel_group())
+
+
+def _apply_strictness(path: str, strictness: str, unexpected, not_loaded) -> None:
+    """--dist-ckpt-strictness on megatron-core's key lists: log_* logs, raise_* refuses (one
+    `ConfigError`) what StrictHandling would. Keys this run needs and the checkpoint lacks
+    (`unexpected`) are refused by `_check_missing` whatever the value (a model half loaded is
+    never right); the other values are megatron-core's 'do nothing more'."""
+    both = strictness.endswith("_all")
+    extra = sorted(not_loaded) if both else []
+    if strictness.startswith("log_"):
+        maybe_report_missing_and_unexpected_keys(extra, unexpected, raise_error=False)
+    elif strictness.startswith("raise_") and extra:
+        shown = ", ".join(extra[:4]) + (f" and {len(extra) - 4} more" if len(extra) > 4 else "")
+        raise ConfigError(f"--load {path} holds {len(extra)} entries this run does not load "
+                          f"({shown}) and --dist-ckpt-strictness is {strictness}")
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, config):
@@ -539,9 +618,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     state = _sharded_state_dict(model, optimizer, scheduler, is_loading=True,
                                 with_optimizer=with_optimizer, rng_states=rng_states)
     with _quiet_torch_checkpoint(), save_guard.read_errors_named(path):
-        # megatron-core's "unexpected": asked for, not in the checkpoint
-        loaded, _, missing = dist_checkpointing.load(state, path,
-                                                     strict=StrictHandling.RETURN_ALL)
+        # megatron-core's "unexpected": asked for, not in the checkpoint; "missing": the reverse
+        loaded, not_loaded, missing = dist_checkpointing.load(
+            state, path, sharded_strategy=_load_strategy(path, flags),
+            strict=StrictHandling.RETURN_ALL,
+            **({"verify_integrity": True} if flags.verify_integrity else {}))
+    _apply_strictness(path, flags.dist_ckpt_strictness, missing, not_loaded)
     _check_missing(path, missing)
     check_extra_states(path, loaded["model"])
     gpt = model.module.module if isinstance(model.module, Float16Module) else model.module

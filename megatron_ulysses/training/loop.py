@@ -16,11 +16,12 @@ from .. import rng
 from ..processes import guard_rank
 from ..vocab import model_vocab_size
 from .batch_schedule import global_batch_size_at
+from .checkpoint_saver import CheckpointSaver
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
 from .inputs import build_batches, check_inputs
-from .logging import TrainingLogger, print_rank_0
+from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
 from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
 from .save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
@@ -79,6 +80,7 @@ def evaluate_only(config: RunConfig, tokenizer) -> None:
 def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
+    set_logging_level(config.logging.logging_level)
     guard_rank()  # its helper processes die with it, it with torchrun
     if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
         lock_save_dir(config.checkpoint.save)  # one live job per --save
@@ -117,14 +119,22 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     train_batches, valid_batches = batches
     training, checkpoint = config.training, config.checkpoint
     local_seq = config.dims.local_seq_length(config.model.seq_length)
-    logger = TrainingLogger(config, config.dims.world_size)
+    logger = TrainingLogger(config, config.dims.world_size, model)
     hooks = StepHooks(training, config.logging.tensorboard_dir)
+    progress = config.logging.log_progress and checkpoint.save
+    if progress:
+        append_progress(checkpoint.save, "Starting job")
+    job_start = consumed
+    saver = CheckpointSaver(checkpoint)
 
     def save():
         gather_params(model, config.performance)
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
-                            consumed, extra_common)
+                            consumed, extra_common, saver)
+        if progress:
+            append_progress(checkpoint.save, _progress_line(config, logger, iteration, consumed,
+                                                            job_start))
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
@@ -132,13 +142,16 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
         hooks.before_step(iteration)
         batch = global_batch_size_at(consumed, training.batch_size_schedule,
                                      training.global_batch_size)
-        loss, grad_norm, ok = _step(config, iteration, train_batches, built, local_seq, batch)
+        loss, grad_norm, ok, num_zeros = _step(config, iteration, train_batches, built,
+                                               local_seq, batch)
         iteration += 1
         consumed += batch
         saved = False
+        saver.finalize()  # commits an async save whose write is done
         logger.log_iteration(iteration, consumed, loss,
                              get_canonical_lr_for_logging(optimizer.param_groups), grad_norm,
-                             optimizer.get_loss_scale(), skipped=not ok, global_batch_size=batch)
+                             optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
+                             global_batch_size=batch)
         hooks.after_step(iteration, model)
         if valid_batches is not None and iteration % training.eval_interval == 0:
             with logger.paused(), hooks.around_evaluation():
@@ -157,14 +170,27 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
             break
     if checkpoint.save and not saved:
         save()
+    saver.close()
     hooks.close()
     logger.close()
 
 
+def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
+                   job_start: int) -> str:
+    """progress.txt's line after a save (Megatron-LM's, without its cumulative throughput over
+    earlier jobs)."""
+    flops = logger.flops_per_sample * consumed
+    saved = "Saving async checkpoint" if config.checkpoint.async_save else "Saved checkpoint"
+    return (f"{saved}\tIteration: {iteration}\t"
+            f"Job throughput: {logger.job_throughput(consumed - job_start):.1f} TFLOP/s/GPU\t"
+            f"Floating-point operations: {flops:.2e}\t"
+            f"Tokens (in billions): {consumed * config.model.seq_length / 10**9:.2f}")
+
+
 def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
           global_batch: int):
-    """One optimizer step over `global_batch` samples -> (loss, grad norm, applied); a NaN /
-    Inf stops the run with what to resume from and what to change."""
+    """One optimizer step over `global_batch` samples -> (loss, grad norm, applied, zero
+    gradients); a NaN / Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
     per_step = config.training.micro_batch_size * config.dims.dp
     try:

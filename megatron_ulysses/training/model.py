@@ -202,7 +202,8 @@ def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
     """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP) and, on
     `mcore_config`, the hooks megatron-core's schedule calls (grad finalize, no_sync, fp16 loss
     scale), as Megatron-LM's setup sets them."""
-    optimizer = build_optimizer(config.optimizer, config.model, model, config.performance)
+    optimizer = build_optimizer(config.optimizer, config.model, model, config.performance,
+                                config.logging.log_num_zeros_in_grad)
     mcore_config.finalize_model_grads_func = finalize_model_grads
     mcore_config.no_sync_func = model.no_sync
     if config.model.fp16:

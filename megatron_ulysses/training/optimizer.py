@@ -51,13 +51,15 @@ def param_groups(model, mcore_config):
 class CpuAdamW:
     """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
 
-    def __init__(self, model, config, groups):
-        """`config`: an `OptimizerConfig`; `groups`: `param_groups`."""
+    def __init__(self, model, config, groups, log_num_zeros_in_grad: bool = False):
+        """`config`: an `OptimizerConfig`; `groups`: `param_groups`; `log_num_zeros_in_grad`:
+        `step` counts the zero gradient entries (megatron-core's OptimizerConfig option)."""
         self.optimizer = torch.optim.AdamW(
             groups, lr=config.lr, weight_decay=config.weight_decay,
             betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps,
         )
         self.clip_grad = config.clip_grad
+        self.log_num_zeros_in_grad = log_num_zeros_in_grad
 
     @property
     def param_groups(self):
@@ -82,6 +84,16 @@ class CpuAdamW:
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
         return math.sqrt(squares.item())
 
+    def count_zeros(self) -> int:
+        """Zero entries of all gradients, each parameter counted once over TP x PP
+        (megatron-core's `count_zeros_fp32`, which allocates on CUDA)."""
+        zeros = torch.zeros(1, dtype=torch.int64)
+        for param in self.get_parameters():
+            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+                zeros += param.grad.numel() - torch.count_nonzero(param.grad)
+        dist.all_reduce(zeros, group=mpu.get_model_parallel_group())
+        return int(zeros.item())
+
     @torch.no_grad()
     def step(self):
         for param in self.get_parameters():
@@ -91,8 +103,9 @@ class CpuAdamW:
             coefficient = self.clip_grad / (norm + 1e-6)
             for param in self.get_parameters():
                 param.grad.mul_(coefficient)
+        zeros = self.count_zeros() if self.log_num_zeros_in_grad else None
         self.optimizer.step()
-        return True, norm, None
+        return True, norm, zeros
 
     def _init_state(self) -> None:
         for param in self.get_parameters():
@@ -125,15 +138,18 @@ class CpuAdamW:
         self.optimizer.load_state_dict(state_dict)
 
 
-def build_optimizer(config, model_config, model, performance=PerformanceConfig()):
+def build_optimizer(config, model_config, model, performance=PerformanceConfig(),
+                    log_num_zeros_in_grad: bool = False):
     """megatron-core's optimizer on GPU, `CpuAdamW` over megatron-core's param groups on CPU.
     `config`: an `OptimizerConfig`; `model_config`: the `ModelConfig` (its precision);
     `performance`: the speed features (overlapped param gather, precision-aware optimizer, CPU
-    offload; GPU only)."""
+    offload; GPU only); `log_num_zeros_in_grad`: `step()` returns the number of zero gradient
+    entries (--log-num-zeros-in-grad)."""
     mcore_config = mcore_optimizer_config(config, model_config)
     if not torch.cuda.is_available():
-        return CpuAdamW(model, config, param_groups(model, mcore_config))
+        return CpuAdamW(model, config, param_groups(model, mcore_config), log_num_zeros_in_grad)
     from megatron.core.optimizer import get_megatron_optimizer
 
-    mcore_config = dataclasses.replace(mcore_config, **optimizer_kwargs(performance))
+    mcore_config = dataclasses.replace(mcore_config, log_num_zeros_in_grad=log_num_zeros_in_grad,
+                                       **optimizer_kwargs(performance))
     return get_megatron_optimizer(mcore_config, [model])

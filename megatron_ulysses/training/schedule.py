@@ -31,6 +31,19 @@ def forward_step(data_iterator, model):
     return _per_token_loss(model, batch), functools.partial(loss_func, batch["loss_mask"])
 
 
+@contextlib.contextmanager
+def _timer(model, name: str, log_level: int):
+    """megatron-core's timer `name` around the block, as its schedules time themselves, when the
+    training logger gave the model's config its `Timers` (Megatron-LM's `config.timers`)."""
+    timers = getattr(model.config, "timers", None)
+    if timers is None:
+        yield
+        return
+    timers(name, log_level=log_level).start()
+    yield
+    timers(name).stop()
+
+
 def _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only):
     """megatron-core's `forward_backward_no_pipelining` on CPU (fp32, PP = 1): backward of each
     micro batch's Σ loss·mask, gradient sync on the last one; returns [Σ loss·mask, Σ mask]."""
@@ -40,9 +53,11 @@ def _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only):
         sync = contextlib.nullcontext() if forward_only or last else model.no_sync()
         with sync, torch.set_grad_enabled(not forward_only):
             batch = next(data_iterator)
-            loss_sum, count = masked_sum(_per_token_loss(model, batch), batch["loss_mask"])
+            with _timer(model, "forward-compute", 2):
+                loss_sum, count = masked_sum(_per_token_loss(model, batch), batch["loss_mask"])
             if not forward_only:
-                loss_sum.backward()
+                with _timer(model, "backward-compute", 2):
+                    loss_sum.backward()
         totals += torch.stack([loss_sum.detach(), count]).double()
     if not forward_only:
         finalize_model_grads([model], num_tokens=totals[1].round().to(torch.int64))
@@ -55,7 +70,8 @@ def forward_backward(data_iterator, model, num_microbatches: int, micro_batch_si
     summed over micro batches (zeros off the last pipeline stage). `local_seq_length`: s/P
     after padding, the sequence length of one rank's activations."""
     if not torch.cuda.is_available():
-        return _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only)
+        with _timer(model, "forward-backward", 1):
+            return _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     reports = get_forward_backward_func()(
@@ -103,7 +119,8 @@ def train_step(data_iterator, model, optimizer, scheduler, training: TrainingCon
                local_seq_length: int, num_microbatches: int = None):
     """One optimizer step over the global batch of `num_microbatches` micro batches (default
     the constant batch's; a batch-size ramp passes the current one); returns (loss, grad norm,
-    update ok). Raises `NonFiniteError` before the update (--check-for-nan-in-loss-and-grad)."""
+    update ok, number of zero gradients or None). Raises `NonFiniteError` before the update
+    (--check-for-nan-in-loss-and-grad)."""
     if num_microbatches is None:
         num_microbatches = training.num_microbatches
     model.zero_grad_buffer()
@@ -113,11 +130,12 @@ def train_step(data_iterator, model, optimizer, scheduler, training: TrainingCon
     if training.check_for_nan_in_loss_and_grad:
         check_finite(totals, model, check_grads=not model.config.fp16,
                      check_loss=training.rerun_mode != "disabled")
-    ok, grad_norm, _ = optimizer.step()
+    with _timer(model, "optimizer", 1):
+        ok, grad_norm, num_zeros = optimizer.step()
     if ok:  # the samples of this step (micro batch x pure DP is the constant batch's share)
         per_micro_batch = training.global_batch_size // training.num_microbatches
         scheduler.step(increment=num_microbatches * per_micro_batch)
-    return global_mean(totals), grad_norm, ok
+    return global_mean(totals), grad_norm, ok, num_zeros
 
 
 def evaluate(data_iterator, model, training: TrainingConfig, local_seq_length: int) -> float:

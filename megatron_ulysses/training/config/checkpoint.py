@@ -1,7 +1,10 @@
-"""The checkpoint section: where to save and load, what a load restores, and
+"""The checkpoint section: where to save and load, what a save writes and a load restores, how
+(async, fully parallel, strictness, integrity hashes), which old checkpoints are kept, and
 --use-checkpoint-args (the model's shape flags from the checkpoint at --load)."""
 
 import argparse
+import inspect
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,6 +21,17 @@ class CheckpointConfig:
     no_load_rng: bool
     finetune: bool
     ckpt_fully_parallel_save: bool
+    ckpt_fully_parallel_load: bool = False
+    ckpt_assume_constant_structure: bool = False
+    dist_ckpt_strictness: str = "assume_ok_unexpected"
+    save_retain_interval: Optional[int] = None
+    no_save_optim: bool = False
+    no_save_rng: bool = False
+    async_save: bool = False
+    async_strategy: str = "mcore"
+    async_ckpt_use_cpu_shm: bool = False
+    verify_integrity: bool = False
+    log_progress: bool = False  # progress.txt also records deleted checkpoints
 
 
 def add_arguments(parser) -> None:
@@ -37,21 +51,133 @@ def add_arguments(parser) -> None:
                    help="with --load: take the model's shape flags (--num-layers, "
                    "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
                    "checkpoint instead of the command line")
-    g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist",
-                   help="checkpoints are megatron-core dist_checkpointing (torch_dist)")
+    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
+                   help="checkpoints are megatron-core dist_checkpointing (torch_dist); torch "
+                   "and torch_dcp write torch_dist too (Megatron-LM loads it), with a warning")
+    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                   help="each DP x SP replica reads a slice of the replicated tensors and they "
+                   "exchange them (megatron-core's FullyParallelLoadStrategyWrapper)")
+    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
+                   help="cache the save plan and its distribution across saves (the state's "
+                   "structure never changes within a run)")
+    g.add_argument("--dist-ckpt-strictness", choices=STRICTNESS, default="assume_ok_unexpected",
+                   help="keys of the checkpoint this run does not load: log_all logs them, "
+                   "raise_all refuses the load; keys this run needs and the checkpoint lacks "
+                   "are always refused (megatron-core's StrictHandling)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="the optimizer state is always saved in the fully_reshardable layout")
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="after each save, delete the previous checkpoint unless its iteration "
+                   "is a multiple of this (a multiple of --save-interval)")
+    g.add_argument("--non-persistent-save-interval", type=int, default=None,
+                   help="not supported: non-persistent (local / global) checkpoints")
+    g.add_argument("--no-save-optim", action="store_true",
+                   help="save no optimizer state or LR schedule (resume with --no-load-optim)")
+    g.add_argument("--no-save-rng", action="store_true",
+                   help="save no RNG states (resume with --no-load-rng)")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: stop if it holds no checkpoint instead of training "
+                   "from scratch")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in the background (with --use-persistent-ckpt-worker, "
+                   "as Megatron-LM requires); the tracker moves when the write is complete")
+    g.add_argument("--use-persistent-ckpt-worker", action="store_true")
+    g.add_argument("--async-strategy", choices=("nvrx", "mcore"), default="nvrx",
+                   help="async saves always use megatron-core's queue (mcore); nvrx says so")
+    g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
+                   help="nvidia-resiliency-ext's CPU shared-memory staging: not used (a "
+                   "warning says so); megatron-core's queue stages in process memory")
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="SHA-256 of every checkpoint file on save, checked on load "
+                   "(megatron-core >= 0.19)")
+
+
+CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "return_unexpected", "return_all", "ignore_all")
 
 
 def check_values(args) -> None:
     check_range(args, "save_interval", low=0, low_open=True, optional=True)
+    check_range(args, "save_retain_interval", low=0, low_open=True, optional=True)
+
+
+def _megatron_core_has(function, parameter: str) -> bool:
+    return parameter in inspect.signature(function).parameters
 
 
 def validate(args, ctx: Context) -> None:
-    require(not (args.save_interval is not None and args.save is None),
-            "--save-interval needs --save")
+    _validate_save(args, ctx)
+    _validate_async(args, ctx)
     require(not (args.finetune and args.load is None), "--finetune needs --load")
     require(not (args.use_checkpoint_args and args.load is None),
             "--use-checkpoint-args needs --load")
+    require(not (args.exit_on_missing_checkpoint and args.load is None),
+            "--exit-on-missing-checkpoint needs --load")
+    if args.exit_on_missing_checkpoint:
+        require(os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")),
+                f"--exit-on-missing-checkpoint: no checkpoint at --load {args.load} (its "
+                "latest_checkpointed_iteration.txt is missing)")
+    require(args.non_persistent_save_interval is None,
+            "--non-persistent-save-interval: non-persistent (local / global) checkpoints are "
+            "not supported; use --save-interval")
+    require(args.ckpt_format != "fsdp_dtensor", "--ckpt-format fsdp_dtensor: Megatron FSDP's "
+            "checkpoint format is not written here; use --ckpt-format torch_dist (the default)")
+    if args.ckpt_format in ("torch", "torch_dcp"):
+        ctx.warnings.append(f"--ckpt-format {args.ckpt_format}: checkpoints are written as "
+                            "torch_dist (megatron-core dist_checkpointing; Megatron-LM loads it)")
+        args.ckpt_format = "torch_dist"
+    if args.verify_integrity:
+        from megatron.core import __version__, dist_checkpointing
+
+        require(_megatron_core_has(dist_checkpointing.save, "verify_integrity"),
+                f"--verify-integrity needs megatron-core>=0.19 (installed: {__version__}): "
+                "its dist_checkpointing writes the SHA-256 manifest")
     check_output_dir(args, "save")  # fail now, not after training
+
+
+def _validate_save(args, ctx: Context) -> None:
+    """Megatron-LM writes checkpoints only when --save is given and not empty; its
+    --save-interval and --save-retain-interval then apply."""
+    if args.save == "":
+        ctx.warnings.append("--save is empty: no checkpoints are written (as in Megatron-LM)")
+        args.save = None
+    if args.save is None:
+        unused = [f for f in ("save_interval", "save_retain_interval", "no_save_optim",
+                              "no_save_rng", "async_save") if getattr(args, f)]
+        if unused:
+            ctx.warnings.append(f"{', '.join(flag_name(f) for f in unused)} without --save: "
+                                "no checkpoints are written (as in Megatron-LM)")
+        args.async_save = False
+        return
+    if args.save_retain_interval is not None:
+        require(args.save_interval is not None and
+                args.save_retain_interval % args.save_interval == 0,
+                f"--save-retain-interval {args.save_retain_interval} must be a multiple of "
+                f"--save-interval {args.save_interval}")
+
+
+def _validate_async(args, ctx: Context) -> None:
+    """HEAD's rules: --async-save without --use-persistent-ckpt-worker is turned off with a
+    warning; --async-strategy is mcore unless saving async. The async save always goes through
+    megatron-core's AsyncCallsQueue: nvrx (nvidia-resiliency-ext's queue) and its CPU
+    shared-memory staging are said to be replaced, not silently."""
+    if args.async_save and not args.use_persistent_ckpt_worker:
+        ctx.warnings.append("--async-save is not supported without --use-persistent-ckpt-worker "
+                            "(as in Megatron-LM): saving synchronously")
+        args.async_save = False
+    if not args.async_save:
+        args.async_strategy = "mcore"
+        return
+    if args.async_strategy == "nvrx":
+        ctx.warnings.append("--async-strategy nvrx: saving through megatron-core's async queue "
+                            "(--async-strategy mcore) instead of nvidia-resiliency-ext's")
+        args.async_strategy = "mcore"
+    if args.async_ckpt_use_cpu_shm:
+        ctx.warnings.append("--async-ckpt-use-cpu-shm: CPU shared-memory staging is "
+                            "nvidia-resiliency-ext's; megatron-core's queue stages the tensors "
+                            "in process memory")
+        args.async_ckpt_use_cpu_shm = False
 
 
 # Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds).

@@ -15,7 +15,6 @@ def add_arguments(parser) -> None:
         ("--use-flash-attn", "fused attention comes from --ulysses-attention-backend"),
         ("--attention-softmax-in-fp32", "the attention backends keep softmax in fp32"),
         ("--no-masked-softmax-fusion", "no masked-softmax fusion is used"),
-        ("--log-validation-ppl-to-tensorboard", "validation loss goes to TensorBoard"),
         ("--no-create-attention-mask-in-dataloader", "the loader builds no attention mask: "
          "attention is causal (within documents with --reset-attention-mask)"),
         ("--no-position-embedding", "no learned position embedding: needs "

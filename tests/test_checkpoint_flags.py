@@ -1,0 +1,111 @@
+"""The checkpoint flags (Megatron-LM's meanings): an async save with --save-retain-interval keeps
+the right iterations and resumes as the uninterrupted run (pretrain_gpt.py); in-process: what
+--no-save-optim / --no-save-rng write and a load then needs, --dist-ckpt-strictness raise_all;
+and the parse-time rules (no-ops without --save, refusals naming the flag)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO_ROOT
+from distributed import spawn
+from test_cli import MODEL, RUN, losses
+
+from megatron_ulysses.errors import ConfigError
+from megatron_ulysses.training.arguments import build_parser, validate_args
+
+
+def _run(*flags: str):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return subprocess.run(
+        [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--mock-data",
+         "--vocab-size", "256", "--eval-iters", "0", "--train-iters", "6", *flags],
+        env=env, capture_output=True, text=True, timeout=300)
+
+
+def _iterations(ckpt) -> list:
+    return sorted(int(name[5:]) for name in os.listdir(ckpt) if name.startswith("iter_"))
+
+
+def test_async_save_with_retain_interval_resumes_as_uninterrupted(tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    full = losses(_run())
+    saving = ["--save", ckpt, "--save-interval", "1", "--save-retain-interval", "2"]
+    first = _run(*saving, "--exit-interval", "4", "--async-save", "--use-persistent-ckpt-worker")
+    assert [i for i in losses(first)] == [1, 2, 3, 4]
+    assert "started an async save of iteration 4" in first.stdout
+    # iterations 1 and 3 were deleted by the next save (not multiples of 2), 4 is the latest
+    assert _iterations(ckpt) == [2, 4] and not any(".tmp" in n for n in os.listdir(ckpt))
+    resumed = losses(_run(*saving, "--load", ckpt))
+    assert resumed == {5: full[5], 6: full[6]}
+    assert _iterations(ckpt) == [2, 4, 6]
+
+
+def _without(rank, world, root, full_root):
+    from test_checkpointing import _build, _load, _save, _teardown
+
+    build = _build(world, "--save", root, "--no-save-optim", "--no-save-rng")
+    _save(root, build)
+    _teardown()
+    with pytest.raises(ConfigError, match="--no-save-optim.*--no-load-optim"):
+        _load(root, _build(world))
+    _teardown()
+    (iteration, _), out = _load(root, _build(world, "--no-load-optim"))
+    assert iteration == 3 and "it was saved with --no-save-rng" in out
+    _teardown()
+    _save(full_root, _build(world))  # with optimizer and RNG states
+    _teardown()
+    _load(full_root, _build(world, "--no-load-optim", "--dist-ckpt-strictness", "log_all"))
+    _teardown()
+    with pytest.raises(ConfigError, match="does not load .*--dist-ckpt-strictness is raise_all"):
+        _load(full_root, _build(world, "--no-load-optim", "--dist-ckpt-strictness", "raise_all"))
+    _teardown()
+
+
+def test_no_save_optim_and_rng_and_strictness(tmp_path):
+    spawn(_without, 1, str(tmp_path / "ckpt"), str(tmp_path / "full"))
+
+
+ARGS = MODEL + RUN + ["--mock-data", "--vocab-size", "256", "--train-iters", "4"]
+
+
+def _validate(*flags: str):
+    """(RunConfig, the warnings) of ARGS + flags for one CPU process."""
+    config = validate_args(build_parser().parse_args(ARGS + list(flags)), 1, False)
+    return config, " ".join(config.warnings)
+
+
+def test_save_flags_without_save_are_no_ops_with_one_warning():
+    config, said = _validate("--save-interval", "100000")
+    assert config.checkpoint.save is None and "--save-interval without --save" in said
+    config, said = _validate("--save", "", "--save-interval", "2")
+    assert config.checkpoint.save is None and "--save is empty" in said
+
+
+def test_async_rules_follow_megatron_lm(tmp_path):
+    config, said = _validate("--save", str(tmp_path), "--async-save")
+    assert not config.checkpoint.async_save and "--use-persistent-ckpt-worker" in said
+    config, said = _validate("--save", str(tmp_path), "--async-save",
+                             "--use-persistent-ckpt-worker", "--ckpt-format", "torch")
+    assert config.checkpoint.async_save and config.checkpoint.async_strategy == "mcore"
+    assert "--async-strategy nvrx" in said and "--ckpt-format torch: " in said
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--save-interval", "2", "--save-retain-interval", "3"],
+     "--save-retain-interval 3 must be a multiple of --save-interval 2"),
+    (["--ckpt-format", "fsdp_dtensor"], "--ckpt-format fsdp_dtensor"),
+    (["--non-persistent-save-interval", "5"], "--non-persistent-save-interval"),
+    (["--verify-integrity"], r"--verify-integrity needs megatron-core>=0\.19"),
+    (["--exit-on-missing-checkpoint", "--load", "{empty}"], "--exit-on-missing-checkpoint"),
+])
+def test_bad_checkpoint_flags_name_the_flag(flags, message, tmp_path):
+    from megatron.core import dist_checkpointing
+
+    if "--verify-integrity" in flags and "verify_integrity" in \
+            dist_checkpointing.save.__code__.co_varnames:
+        pytest.skip("megatron-core >= 0.19 has --verify-integrity")  # CI's 3.12 job
+    flags = [str(tmp_path) if f == "{empty}" else f for f in flags]
+    with pytest.raises(ConfigError, match=message):
+        _validate("--save", str(tmp_path / "out"), *flags)
