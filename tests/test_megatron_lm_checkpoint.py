@@ -270,7 +270,7 @@ def _load_cases(rank, world, root, weights_file, sp):
         model = builders.build_model(config.model, config.optimizer, config.training.seed,
                                      builders.transformer_config(config.model, config.dims))
         optimizer = build_optimizer(config.optimizer, config.model, model)
-        scheduler = builders.build_scheduler(config.optimizer, config.training, optimizer)
+        scheduler = builders.build_scheduler(config.optimizer, optimizer)
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
