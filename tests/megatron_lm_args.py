@@ -848,7 +848,7 @@ REFUSED_SETS = (
             '{VOCAB_FILE}', '--merge-file', '{MERGE_FILE}', '--split', '949,50,1',
             '--log-interval', '1', '--save-interval', '2', '--eval-interval', '2', '--save',
             '{CKPT}', '--load', '{CKPT}', '--eval-iters', '1', '--tensorboard-dir',
-            '{TENSORBOARD}', '--fp16',
+            '{TENSORBOARD}',  # its --fp16 needs a GPU: left out, as in the train sets
         ),
         names=(
             '--step-batch-size-schedule', '--global-batch-size',

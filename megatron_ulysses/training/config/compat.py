@@ -23,6 +23,8 @@ def add_arguments(parser) -> None:
          "(it forces the softmax into fp32): every attention backend here computes the "
          "softmax in fp32, so the result is the same"),
         ("--no-persist-layer-norm", "apex's persistent LayerNorm kernel is never used here"),
+        ("--auto-detect-ckpt-format", "--load always recognizes the checkpoint's format: "
+         "torch_dist (ours or Megatron-LM's) loads, any other is refused with one message"),
     ):
         g.add_argument(flag, action="store_true", help=why)
 
