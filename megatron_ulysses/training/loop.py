@@ -82,9 +82,9 @@ def pretrain(config: RunConfig) -> None:
     start = time.time()  # --exit-duration-in-mins counts from here
     set_logging_level(config.logging.logging_level)
     guard_rank()  # its helper processes die with it, it with torchrun
+    tokenizer = check_inputs(config)  # a bad input leaves nothing behind, not even --save
     if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
         lock_save_dir(config.checkpoint.save)  # one live job per --save
-    tokenizer = check_inputs(config)
     dims = config.dims
     config = config.with_padded_vocab_size(model_vocab_size(
         tokenizer.vocab_size, config.model.padded_vocab_size,
