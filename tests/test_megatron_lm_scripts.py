@@ -164,8 +164,10 @@ def test_megatron_lm_set_trains_at_sp2(source, paths, tmp_path):
     argset = next(s for s in TRAIN_SETS if s.source == source)
     if _unmet(argset.needs):
         pytest.skip(f"needs {_unmet(argset.needs)}")
-    got = losses(_torchrun(2, fill(argset.argv, paths) + SP2))
-    assert sorted(got) == [1, 2, 3]
+    # Megatron-LM's default --log-interval is 100: log each of the 3 iterations
+    run = _torchrun(2, fill(argset.argv, paths) + SP2 + ["--log-interval", "1"])
+    got = losses(run)
+    assert sorted(got) == [1, 2, 3], run.stdout[-1500:] + run.stderr[-1500:]
     if source != TRAIN_RUNS[0]:
         return
     # SP 2 trains the same model as SP 1 (its own checkpoint directory: --load would resume).
