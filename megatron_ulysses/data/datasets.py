@@ -97,16 +97,7 @@ def build_train_valid_test_datasets(
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
     check_dataset_helpers()
-    per_split = any(data_path_per_split or ())
-    if mock_data + bool(data_path) + per_split != 1:
-        raise ValueError(
-            f"give exactly one of --data-path (got {data_path!r}), --train/valid/test-data-path "
-            f"(got {data_path_per_split!r}) and --mock-data (got {mock_data})"
-        )
-    # The files' contents and the split are check_data_path's, run once by the trainer first.
-    blend = parse_data_path(data_path) if data_path else None
-    blends = [parse_data_path(words, f"--{name}-data-path") if words else None
-              for name, words in zip(SPLIT_NAMES, data_path_per_split)] if per_split else None
+    blend, blends = _blends(data_path, data_path_per_split, mock_data)
     config = _dataset_config(tokenizer, seq_length, blend, split, seed, data_cache_path,
                              reset_position_ids, eod_mask_loss, blends, mmap_bin_files)
     dataset_cls = MockGPTDataset if mock_data else GPTDataset
@@ -114,6 +105,21 @@ def build_train_valid_test_datasets(
         dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
     )
     return tuple(builder.build())
+
+
+def _blends(data_path, data_path_per_split, mock_data: bool):
+    """(the --data-path blend, the per-split blends): exactly one data source is given. The
+    files' contents and the split are check_data_path's, run once by the trainer first."""
+    per_split = any(data_path_per_split or ())
+    if mock_data + bool(data_path) + per_split != 1:
+        raise ValueError(
+            f"give exactly one of --data-path (got {data_path!r}), --train/valid/test-data-path "
+            f"(got {data_path_per_split!r}) and --mock-data (got {mock_data})"
+        )
+    blend = parse_data_path(data_path) if data_path else None
+    blends = [parse_data_path(words, f"--{name}-data-path") if words else None
+              for name, words in zip(SPLIT_NAMES, data_path_per_split)] if per_split else None
+    return blend, blends
 
 
 def _dataset_config(tokenizer, seq_length: int, blend, split: str, seed: int,

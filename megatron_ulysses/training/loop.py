@@ -124,8 +124,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     progress = config.logging.log_progress and checkpoint.save
     if progress:
         append_progress(checkpoint.save, "Starting job")
-    job_start = consumed
-    saver = CheckpointSaver(checkpoint)
+    job_start, saver = consumed, CheckpointSaver(checkpoint)
 
     def save():
         gather_params(model, config.performance)
@@ -154,9 +153,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                              global_batch_size=batch)
         hooks.after_step(iteration, model)
         if valid_batches is not None and iteration % training.eval_interval == 0:
-            with logger.paused(), hooks.around_evaluation():
-                logger.log_validation(iteration, evaluate(valid_batches, model, training,
-                                                          local_seq))
+            _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
         reason = exit_request.reason()
         stop = reason is not None or bool(training.exit_interval
                                           and iteration % training.exit_interval == 0)
@@ -173,6 +170,13 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     saver.close()
     hooks.close()
     logger.close()
+
+
+def _validate(iteration: int, valid_batches, model, training, local_seq: int, logger,
+              hooks) -> None:
+    """The --eval-iters validation batches, logged (the step's timers paused)."""
+    with logger.paused(), hooks.around_evaluation():
+        logger.log_validation(iteration, evaluate(valid_batches, model, training, local_seq))
 
 
 def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,

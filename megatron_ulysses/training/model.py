@@ -82,7 +82,17 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         recompute_method=model.recompute_method,
         recompute_num_layers=model.recompute_num_layers,
         recompute_modules=list(model.recompute_modules or ("core_attn",)),
-        # Megatron-LM's default fusions, on GPU: SwiGLU with or without bias, GeLU with bias.
+        **_fusion_kwargs(model, cuda),
+        deterministic_mode=model.deterministic_mode,
+        # megatron-core's GPTModel sets TE's NVTE_{FLASH,FUSED,UNFUSED}_ATTN from it
+        attention_backend=AttnBackend[model.attention_backend],
+    )
+
+
+def _fusion_kwargs(model: ModelConfig, cuda: bool) -> dict:
+    """The fused kernels: Megatron-LM's defaults on GPU, each off by its --no-*-fusion flag."""
+    return dict(
+        # SwiGLU with or without bias, GeLU with bias.
         bias_activation_fusion=cuda and not model.squared_relu and (
             not model.no_bias_swiglu_fusion if model.swiglu else
             not model.no_bias_gelu_fusion and not model.disable_bias_linear),
@@ -99,9 +109,6 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
         cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
-        deterministic_mode=model.deterministic_mode,
-        # megatron-core's GPTModel sets TE's NVTE_{FLASH,FUSED,UNFUSED}_ATTN from it
-        attention_backend=AttnBackend[model.attention_backend],
     )
 
 
