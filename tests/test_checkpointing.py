@@ -46,9 +46,9 @@ ROPE = ["--position-embedding-type", "rope"]
 
 # --- worker helpers (run inside gloo workers) ---------------------------------------------------
 
-def _build(world: int, *flags: str):
-    """config, model, optimizer, scheduler as pretrain() builds them, on an existing gloo
-    group."""
+def build_run(argv, world: int):
+    """config, model, optimizer, scheduler of `argv` as pretrain() builds them, on an existing
+    gloo group (the optimizer without Adam states yet)."""
     from megatron_ulysses import cpu_compat
     from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.training import model as builders
@@ -56,7 +56,7 @@ def _build(world: int, *flags: str):
     from megatron_ulysses.training.optimizer import build_optimizer
 
     cpu_compat.install()
-    config = parse_args(BASE + list(flags), world_size=world)
+    config = parse_args(list(argv), world_size=world)
     config = config.with_padded_vocab_size(padded_vocab_size(
         config.data.vocab_size, config.model.make_vocab_size_divisible_by, config.dims.tp))
     ps.initialize_model_parallel(dims=config.dims)
@@ -64,8 +64,14 @@ def _build(world: int, *flags: str):
     model = builders.build_model(config.model, config.optimizer, config.training.seed,
                                  builders.transformer_config(config.model, config.dims))
     optimizer = build_optimizer(config.optimizer, config.model, model)
-    optimizer.step()  # zero gradients: Adam states exist, as in a checkpoint of a real run
     return config, model, optimizer, builders.build_scheduler(config.optimizer, optimizer)
+
+
+def _build(world: int, *flags: str):
+    """`build_run` of BASE + `flags`, its Adam states made as in a checkpoint of a real run."""
+    config, model, optimizer, scheduler = build_run(BASE + list(flags), world)
+    optimizer.step()  # zero gradients: Adam states exist
+    return config, model, optimizer, scheduler
 
 
 def _teardown():

@@ -249,28 +249,16 @@ def test_a_payload_in_its_common_state_or_rng_state_is_refused(megatron_lm, tmp_
 
 
 def _load_cases(rank, world, root, weights_file, sp):
-    from megatron_ulysses import cpu_compat
     from megatron_ulysses import parallel_state as ps
     from megatron_ulysses.errors import ConfigError
-    from megatron_ulysses.training import model as builders
-    from megatron_ulysses.training.arguments import padded_vocab_size, parse_args
     from megatron_ulysses.training.checkpointing import load_checkpoint
-    from megatron_ulysses.training.optimizer import build_optimizer
+    from test_checkpointing import build_run
 
     saved = torch.load(weights_file, weights_only=True)
     for extra, expected in (([], "--no-load-optim"), (["--no-load-optim"], (SAVED_AT, 20)),
                             (["--finetune"], (0, 0))):
-        cpu_compat.install()
-        config = parse_args(RUN + ["--load", root, "--ulysses-sp-size", str(sp)] + extra,
-                            world_size=world)
-        config = config.with_padded_vocab_size(padded_vocab_size(
-            config.data.vocab_size, config.model.make_vocab_size_divisible_by, config.dims.tp))
-        ps.initialize_model_parallel(dims=config.dims)
-        cpu_compat.model_parallel_manual_seed(config.training.seed)
-        model = builders.build_model(config.model, config.optimizer, config.training.seed,
-                                     builders.transformer_config(config.model, config.dims))
-        optimizer = build_optimizer(config.optimizer, config.model, model)
-        scheduler = builders.build_scheduler(config.optimizer, optimizer)
+        config, model, optimizer, scheduler = build_run(
+            RUN + ["--load", root, "--ulysses-sp-size", str(sp)] + extra, world)
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):
