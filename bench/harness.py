@@ -55,6 +55,7 @@ from megatron_ulysses import parallel_state as ps
 from megatron_ulysses.backends import te_available
 from megatron_ulysses.data.sharding import shard_for_sp_rank
 from megatron_ulysses.training.arguments import padded_vocab_size, parse_args
+from megatron_ulysses.training.config.performance import PerformanceConfig, transformer_kwargs
 from megatron_ulysses.training.model import (
     attach_optimizer,
     build_model_and_optimizer,
@@ -72,6 +73,9 @@ SELECTIVE_RECOMPUTE = ("--recompute-granularity", "selective")
 TILED_MLP = ("--tiled-mlp-shards", "auto")
 TILED_LOSS = ("--tiled-loss-shards", "auto")
 OFFLOAD = ("--offload-activations",)
+# FP8 GEMMs as Megatron-LM's Llama-3 8B H100 FP8 example sets them (delayed scaling, hybrid).
+FP8 = ("--fp8-format", "hybrid", "--fp8-amax-history-len", "1024",
+       "--fp8-amax-compute-algo", "max")
 
 
 @dataclass(frozen=True)
@@ -134,9 +138,10 @@ def run_config(shape: Shape, seq: int, backend: str, flags=(), num_microbatches:
         shape.vocab, config.model.make_vocab_size_divisible_by, config.dims.tp))
 
 
-def stock_transformer_config(model):
+def stock_transformer_config(model, performance=PerformanceConfig()):
     """**Megatron-LM's defaults.** The TransformerConfig Megatron-LM's pretrain_gpt.py makes
-    (`core_transformer_config_from_args`) of the flags in `model` (a `ModelConfig`) without any
+    (`core_transformer_config_from_args`) of the flags in `model` (a `ModelConfig`) and the FP8
+    flags in `performance` (a `PerformanceConfig`, as ours passes them) without any
     `--no-*-fusion` flag: RoPE, bias + SwiGLU, bias + dropout + add and masked-softmax fusion on,
     gradient-accumulation fusion where apex's kernel imports (as Megatron-LM turns it off
     without), the cross-entropy fusion as its flags say, mean loss per micro batch
@@ -171,6 +176,7 @@ def stock_transformer_config(model):
             and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
             cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
             cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
+            **transformer_kwargs(performance),
         )
 
 
@@ -195,7 +201,7 @@ def build_stock(config):
     model = config.model
     if config.dims.sp != 1:
         raise ValueError("stock megatron-core has no Ulysses SP: --ulysses-sp-size must be 1")
-    mcore_config = stock_transformer_config(model)
+    mcore_config = stock_transformer_config(model, config.performance)
     if model.transformer_impl == "transformer_engine":
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             qk_layernorm=model.qk_layernorm)
@@ -215,7 +221,7 @@ def build_stock(config):
             seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
         ).to(device())
     return attach_optimizer(config, mcore_config, wrap_model(gpt, model, config.optimizer,
-                                                             mcore_config))
+                                                             mcore_config, config.performance))
 
 
 class Trainer:

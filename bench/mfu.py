@@ -23,15 +23,20 @@ Variants (keys for --variants / --skip; flags added to the base flags):
     ours-mlp         + --recompute-granularity selective --recompute-modules mlp + tiled loss
     ours-full        + full recompute
     ours-full-tiled  + full recompute + TiledMLP + tiled loss + activation offload
+    stock-fp8, ours-fp8, stock-full-fp8, ours-mlp-fp8
+                     the variant + FP8 GEMMs (`harness.FP8`: hybrid format, delayed scaling,
+                     amax history 1024 / max, as Megatron-LM's Llama-3 8B H100 FP8 example);
+                     attention stays bf16 (TE 2.20.2 has no FP8 attention kernel for it)
 
-Default --skip (DEFAULT_PLAN), so that the H200 command fits one ~9-minute device call: each
-side's candidates for best at each s, as measured on 2026-12-04/06. Left out: at 8K and 32K every
-recompute and TiledMLP variant (everything fits without; they only cost: section 3 of
+Default --skip (DEFAULT_PLAN): each side's candidates for best at each s, as measured on
+2026-12-04/06, in bf16 and FP8 (the bf16 plan alone took about 9 minutes of H200 for all
+three s: run 8K + 32K and 128K as two device calls). Left out: at 8K and 32K every recompute and TiledMLP variant (everything fits without; they only cost: section 3 of
 bench/RESULTS.md), at 128K the variants without recompute (OOM) and the slower full-recompute
 ones of ours. `--skip ""` runs everything.
 
 MFU = model FLOPs per step (harness.model_flops x micro batches; recompute not counted) / median
-step seconds / 989 TFLOP/s. `summary`: per s, each side's best variant that fit, and ours/stock.
+step seconds / 989 TFLOP/s (the dense bf16 peak, for FP8 too, so FP8's MFU reads as its speed-up).
+`summary`: per s, each side's best variant that fit, ours/stock, and ours' best FP8 / best bf16.
 The JSON is rewritten after every row (a run cut short keeps its rows and summary).
 
 Command (H200; environment in bench/RESULTS.md, "Setup"):
@@ -62,10 +67,17 @@ VARIANTS = {  # key: (label, flags); a label starts with its side
     "ours-full-tiled": ("ours + full recompute + TiledMLP + tiled loss + offload",
                         harness.FULL_RECOMPUTE + harness.TILED_MLP + harness.TILED_LOSS
                         + harness.OFFLOAD),
+    "stock-fp8": ("stock + FP8", harness.FP8),
+    "ours-fp8": ("ours + FP8", harness.FP8),
+    "stock-full-fp8": ("stock + full recompute + FP8", harness.FULL_RECOMPUTE + harness.FP8),
+    "ours-mlp-fp8": ("ours + selective recompute (mlp) + tiled loss + FP8",
+                     harness.SELECTIVE_RECOMPUTE + ("--recompute-modules", "mlp")
+                     + harness.TILED_LOSS + harness.FP8),
 }
 # What runs by default (the rest is --skip'ped): each side's candidates for best at each s.
-DEFAULT_PLAN = {8192: ("stock", "ours", "ours-sdpa"), 32768: ("stock", "ours", "ours-sdpa"),
-                131072: ("stock-full", "ours-tiled", "ours-mlp")}
+DEFAULT_PLAN = {8192: ("stock", "ours", "stock-fp8", "ours-fp8"),
+                32768: ("stock", "ours", "stock-fp8", "ours-fp8"),
+                131072: ("stock-full", "ours-mlp", "stock-full-fp8", "ours-mlp-fp8")}
 DEFAULT_SKIP = ",".join(f"{seq}:{key}" for seq, keys in DEFAULT_PLAN.items() for key in VARIANTS
                         if key not in keys)
 
@@ -102,21 +114,26 @@ def measure(key, seq, shape, args, batch) -> dict:
             "peak_reserved_gib": reserved}
 
 
+def best(rows, seq, side, fp8=None):
+    """The row of highest MFU at `seq` of `side` that fit (FP8 or bf16 only when `fp8` says)."""
+    fit = [r for r in rows if r["s"] == seq and r["variant"].split()[0] == side and "mfu" in r
+           and (fp8 is None or r["key"].endswith("-fp8") == fp8)]
+    return max(fit, key=lambda r: r["mfu"], default=None)
+
+
 def summarize(rows) -> list:
-    """Per s: each side's variant of highest MFU among those that fit, and ours/stock."""
+    """Per s: each side's variant of highest MFU among those that fit, ours/stock, and ours'
+    best FP8 over its best bf16."""
     summary = []
     for seq in sorted({row["s"] for row in rows}):
-        best = {}
-        for side in ("stock", "ours"):
-            fit = [r for r in rows if r["s"] == seq and r["variant"].split()[0] == side
-                   and "mfu" in r]
-            best[side] = max(fit, key=lambda r: r["mfu"], default=None)
-        stock, ours = best["stock"], best["ours"]
+        stock, ours = best(rows, seq, "stock"), best(rows, seq, "ours")
+        fp8, bf16 = best(rows, seq, "ours", fp8=True), best(rows, seq, "ours", fp8=False)
         summary.append({
             "s": seq, "best_stock": stock and stock["variant"],
             "best_ours": ours and ours["variant"],
             "ratio": ours["mfu"] / stock["mfu"] if stock and ours else None,
             "mfu_stock": stock and stock["mfu"], "mfu_ours": ours and ours["mfu"],
+            "ours_fp8_over_bf16": fp8["mfu"] / bf16["mfu"] if fp8 and bf16 else None,
         })
     return summary
 
@@ -141,14 +158,17 @@ def print_tables(results) -> None:
             continue
         print(f"| {r['s']} | {r['variant']} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | "
               f"{100 * r['mfu']:.1f}% | {r['peak_alloc_gib']:.1f} | {r['loss_step0']:.4f} |")
-    print("\n| s | best stock | MFU | best ours | MFU | ours / stock |")
-    print("|---|---|---|---|---|---|")
+    print("\n| s | best stock | MFU | best ours | MFU | ours / stock | ours FP8 / bf16 |")
+    print("|---|---|---|---|---|---|---|")
     for e in results["summary"]:
         def mfu(value):
             return "" if value is None else f"{100 * value:.1f}%"
-        ratio = "" if e["ratio"] is None else f"{e['ratio']:.3f}"
+
+        def ratio(value):
+            return "" if value is None else f"{value:.3f}"
         print(f"| {e['s']} | {e['best_stock'] or 'none fit'} | {mfu(e['mfu_stock'])} | "
-              f"{e['best_ours'] or 'none fit'} | {mfu(e['mfu_ours'])} | {ratio} |")
+              f"{e['best_ours'] or 'none fit'} | {mfu(e['mfu_ours'])} | {ratio(e['ratio'])} | "
+              f"{ratio(e['ours_fp8_over_bf16'])} |")
 
 
 def main():
