@@ -11,6 +11,8 @@ then checks one property of their logs:
   SP 1 with the same flags, do packed documents from real data (--reset-position-ids
   --reset-attention-mask --eod-mask-loss) and TiledMLP + tiled loss + activation offload (with
   full recompute).
+- FP8 (TE, delayed scaling) at SP 2 logs FP8 at SP 1's losses (the amax is reduced over the
+  SP ranks, so every rank scales as SP 1 does).
 - Checkpoints (megatron-core's fully reshardable distributed-optimizer layout, written by the
   fully parallel save across the ranks' GPU tensors) saved at one DP x SP and loaded at another
   (SP 2 -> SP 1, SP 2 -> SP 4, DP 2 x SP 2 -> SP 2) continue SP 1's run.
@@ -82,6 +84,10 @@ RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "-
        "--num-workers", "0", "--distributed-backend", "gloo", "--deterministic-mode", *PRECISION]
 MOCK = ["--mock-data", "--vocab-size", "2048"]
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+# FP8 GEMMs (TE, delayed scaling). megatron-core reduces the amax over TP x DP x CP, which holds
+# the SP group: every SP rank scales by the amax of the whole sequence, as SP 1 does.
+FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
+       "max"]
 MEMORY = ["--tiled-mlp-shards", "4", "--tiled-loss-shards", "4", "--offload-activations",
           "--recompute-granularity", "full", "--recompute-method", "uniform"]
 
@@ -134,6 +140,8 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
         _job("packed_sp2", work, 2, 2, [*MODEL, *RUN, *packed("packed_sp2")]),
         _job("memory_sp1", work, 1, 1, [*base, *MEMORY]),
         _job("memory_sp2", work, 2, 2, [*base, *MEMORY]),
+        *([] if ON_CPU else [_job("fp8_sp1", work, 1, 1, [*base, *FP8]),
+                             _job("fp8_sp2", work, 2, 2, [*base, *FP8])]),
         _job("dropout_sp2", work, 2, 2, [*base, *DROPOUT, *saving("dropout_sp2")]),
     ])
     half = {name: ["--load", _view(work / name / "ckpt", HALF, work / f"{name}_at_{HALF}")]
@@ -207,6 +215,13 @@ def test_packed_documents_at_sp2_match_sp1(runs):
     sp1, sp2 = _trained(runs["packed_sp1"], 1, 1), _trained(runs["packed_sp2"], 1, 2)
     assert sp1.losses != runs["sp1"].losses  # the real data, not the mock
     _compare(sp2, sp1, "packed documents sp2 vs sp1")
+
+
+@pytest.mark.skipif(ON_CPU, reason="FP8 needs Transformer Engine on a GPU")
+def test_fp8_at_sp2_matches_fp8_at_sp1(runs):
+    sp1, sp2 = _trained(runs["fp8_sp1"], 1, 1), _trained(runs["fp8_sp2"], 1, 2)
+    assert sp1.losses != runs["sp1"].losses, "FP8 logged bf16's digits: it did not reach TE"
+    _compare(sp2, sp1, "fp8_sp2_vs_sp1")
 
 
 def test_tiled_mlp_tiled_loss_and_offload_at_sp2_match_sp1(runs):
