@@ -57,6 +57,14 @@ Command (H200; environment in bench/RESULTS.md, "Setup"; s = 8192 and 16384, ~1 
 CPU smoke test (tests/test_memory_model.py; --offload-min-bytes 0 because the tiny model's layer
 inputs are under the offload's 1 MiB threshold):
     python3 bench/memory_model.py --preset tiny --backend local --seq 64 --offload-min-bytes 0
+
+--strategies builds nothing: it tabulates, per GPU, the model + optimizer state of DDP + the
+distributed optimizer, Megatron-FSDP's optim / optim_grads / optim_grads_params and optimizer CPU
+offload (`strategy_state`, read from megatron-core 0.19.2's code) for the Llama-3.1-8B and 70B
+shapes at DP x SP layouts, and the longest sequence each leaves with the memory features on: the
+activation bytes per token are the analytic terms above plus the backward's extra, fitted to
+max_seq_len.py's measured peaks (`Calibration`). bench/RESULTS.md section 8:
+    python bench/memory_model.py --strategies --json bench/results/memory_strategies.json
 """
 
 import argparse
@@ -1008,11 +1016,13 @@ def strategy_state(counts: ParamCounts, strategy: str, shards: int, fsdp_grad_by
     SP ranks are in megatron-core's DP group).
 
     ddp: megatron-core DDP (fp32 grad buffer) + distributed optimizer (fp32 master + moments
-    sharded; `ddp_grad_bytes` 2 with --grad-reduce-in-bf16). offload: the same with --use-precision-aware-optimizer --optimizer-cpu-offload:
-    HybridDeviceOptimizer keeps fp32 master + moments of `offload_fraction` of the shard on the
-    host and a pinned fp32 copy of its grads; the first one megatron-core builds (on the whole
-    model, before the distributed optimizer re-builds it on the shard) pins bf16 copies of
-    f x P, left in torch's pinned-memory cache. Megatron-FSDP (`fsdp_grad_bytes`: 2 for
+    sharded; `ddp_grad_bytes` 2 with --grad-reduce-in-bf16, whose fp32 copies for the
+    optimizer step are left out: the activations are gone by then). offload: the same with
+    --use-precision-aware-optimizer --optimizer-cpu-offload: HybridDeviceOptimizer keeps fp32
+    master + moments of `offload_fraction` of the shard on the host and a pinned fp32 copy of
+    its grads; the first one megatron-core builds (on the whole model, before the distributed
+    optimizer re-builds it on the shard) pins bf16 copies of f x P, left in torch's
+    pinned-memory cache. Megatron-FSDP (`fsdp_grad_bytes`: 2 for
     Megatron-LM's default --megatron-fsdp-main-grads-dtype auto = the bf16 params', 4 for fp32):
     optim shards master + moments, optim_grads also the grads (but, with no FSDP unit and no
     --ddp-bucket-size, all of them form one bucket, whole during the backward), and
@@ -1020,7 +1030,11 @@ def strategy_state(counts: ParamCounts, strategy: str, shards: int, fsdp_grad_by
     P, N = counts.total, shards
     if strategy in ("ddp", "offload"):
         f = offload_fraction if strategy == "offload" else 0.0
-        return StateTerms(weights=2 * P, grads=ddp_grad_bytes * P, master=4 * (1 - f) * P / N,
+        # HybridDeviceOptimizer casts a bf16 grad shard to an fp32 copy for the GPU share and
+        # keeps it (the fp32 param's .grad) until the next step.
+        copies = 4 * (1 - f) * P / N if strategy == "offload" and ddp_grad_bytes < 4 else 0.0
+        return StateTerms(weights=2 * P, grads=ddp_grad_bytes * P + copies,
+                          master=4 * (1 - f) * P / N,
                           moments=8 * (1 - f) * P / N, host_optimizer=12 * f * P / N,
                           host_grads=4 * f * P / N, host_staging=2 * f * P)
     g = fsdp_grad_bytes
@@ -1166,7 +1180,7 @@ def strategy_rows(models, layouts, keys, cal: Calibration, fsdp_grad_bytes: int,
 ONE_GPU_VARIANTS = (  # (label, grad buffer bytes, pinned blocks rounded to powers of two)
     ("as is", 4, True),
     ("--grad-reduce-in-bf16", 2, True),
-    ("--grad-reduce-in-bf16, exact-size pinned blocks", 2, False),
+    ("exact-size pinned blocks", 4, False),
 )
 
 
@@ -1258,19 +1272,8 @@ def strategies_main(args) -> None:
 
 # ---------------------------------------------------------------------------------------------
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
-    parser.add_argument("--backend", default="auto", help="te, sdpa, local or auto")
-    parser.add_argument("--seq", type=int, default=None,
-                        help="s: measured at s and 2s (default 8192 on GPU, 64 on CPU)")
-    parser.add_argument("--layers", type=int, default=None, help="override the preset's")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, of {', '.join(VARIANTS)}")
-    parser.add_argument("--offload-min-bytes", type=int, default=None,
-                        help="the offload's smallest tensor moved (default: the trainer's, "
-                        f"{activation_offload.DEFAULT_MIN_OFFLOAD_BYTES})")
-    parser.add_argument("--json", default=None)
+def add_strategy_args(parser) -> None:
+    """The options of the --strategies mode."""
     parser.add_argument("--strategies", nargs="?", const=DEFAULT_STRATEGIES, default=None,
                         help="print the per-GPU state and longest-sequence tables of these "
                         f"strategies from the model instead of measuring (default "
@@ -1290,6 +1293,22 @@ def main():
                         "8-GPU DGX H100 / H200 node has 2 TiB)")
     parser.add_argument("--calibration", default=MEASURED_PEAKS,
                         help="--strategies: max_seq_len.py's JSON the slope is fitted to")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
+    parser.add_argument("--backend", default="auto", help="te, sdpa, local or auto")
+    parser.add_argument("--seq", type=int, default=None,
+                        help="s: measured at s and 2s (default 8192 on GPU, 64 on CPU)")
+    parser.add_argument("--layers", type=int, default=None, help="override the preset's")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--offload-min-bytes", type=int, default=None,
+                        help="the offload's smallest tensor moved (default: the trainer's, "
+                        f"{activation_offload.DEFAULT_MIN_OFFLOAD_BYTES})")
+    parser.add_argument("--json", default=None)
+    add_strategy_args(parser)
     args = parser.parse_args()
     if args.strategies:
         strategies_main(args)

@@ -11,7 +11,7 @@
 # Usage on the GPU machine, from the repository root, after `. .te6/install_te.sh` and
 # `export PYTHONPATH=$PWD:$PYTHONPATH` (bench/RESULTS.md, "Setup"):
 #   OUT=$OUT bash bench/offload_8b.sh                                  # SEQS below, F = 0.3
-#   SEQS="262144" OFFLOAD_FRACTION=0.35 OUT=$OUT bash bench/offload_8b.sh --grad-reduce-in-bf16
+#   SEQS="262144" OFFLOAD_FRACTION=0.35 OUT=$OUT bash bench/offload_8b.sh    # more GPU margin
 # Extra arguments go to pretrain_gpt.py. Writes $OUT/offload_8b.json and $OUT/offload_8b.md, and
 # each run's log ($OUT/s<SEQ>.log). DEADLINE_S [570] bounds the whole sweep so it ends inside one
 # 600 s device call: a length is started only with at least MIN_RUN_S [150] left, and is cut at

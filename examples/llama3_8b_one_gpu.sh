@@ -15,15 +15,16 @@
 # checkpoints, 32 x [s, h] bf16 = 64 GiB at 256K in power-of-two pinned blocks):
 #   141 GB (H200, 125 GiB RAM): F = 0.3, s = 262144 (256K): ~136 GiB GPU, ~115 GiB host.
 #       The host's pinned blocks double past 256K (each [s, h] block rounds up to 4 GiB), so
-#       256K is the longest with this torch; with --grad-reduce-in-bf16 F = 0.15 leaves ~5 GiB
-#       more GPU margin at 256K.
-#   80 GB (H100, 125 GiB RAM): F = 0.7, s = 40960 (40K); F = 0.6 and s = 98304 (96K) with
-#       --grad-reduce-in-bf16.
+#       256K is the longest with this torch. Out of GPU memory: raise F (0.35); killed for
+#       host memory: lower it.
+#   80 GB (H100, 125 GiB RAM): F = 0.7, s = 40960 (40K); s = 65536 (64K) with
+#       --grad-reduce-in-bf16 (below F = 0.5 that flag costs GPU memory: the offloaded
+#       optimizer keeps an fp32 copy of the GPU share's bf16 grads).
 # The slope of the model is calibrated on the 1B shape's measured peaks; these are predictions.
 #
 # Usage, from the repository root (--mock-data and a NullTokenizer of VOCAB_SIZE: no download):
 #   bash examples/llama3_8b_one_gpu.sh                          # 256K, F = 0.3, 3 iterations
-#   SEQ_LENGTH=98304 OFFLOAD_FRACTION=0.6 bash examples/llama3_8b_one_gpu.sh --grad-reduce-in-bf16
+#   SEQ_LENGTH=65536 OFFLOAD_FRACTION=0.7 bash examples/llama3_8b_one_gpu.sh --grad-reduce-in-bf16
 #   DATA_PATH=data/long_text_document TOKENIZER_MODEL=/models/Llama-3.1-8B \
 #       bash examples/llama3_8b_one_gpu.sh                   # a HuggingFaceTokenizer folder
 # Each iteration's log line has the step time, TFLOP/s per GPU (MFU = that / 989 on H100 / H200),

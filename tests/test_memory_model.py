@@ -287,6 +287,12 @@ def test_offload_moves_the_fraction_of_master_and_moments_to_host(mm, fraction, 
     assert off.device + off.host_optimizer == pytest.approx(ddp.device)
     if fraction == 0:
         assert off == ddp
+    # --grad-reduce-in-bf16 halves the grad buffer, but the hybrid optimizer casts the GPU
+    # share's grads to fp32 copies it keeps: a saving only above f = 0.5 at one shard.
+    bf16 = mm.strategy_state(counts, "offload", N, offload_fraction=fraction, ddp_grad_bytes=2)
+    assert bf16.grads == pytest.approx(2 * P + 4 * (1 - fraction) * P / N)
+    if N == 1:
+        assert (bf16.device < off.device) == (fraction > 0.5)
 
 
 def test_the_calibration_predicts_the_measured_peaks(mm):
