@@ -22,7 +22,8 @@
 #       optimizer keeps an fp32 copy of the GPU share's bf16 grads).
 # The slope of the model is calibrated on the 1B shape's measured peaks; these are predictions.
 #
-# Usage, from the repository root (--mock-data and a NullTokenizer of VOCAB_SIZE: no download):
+# Usage, from the repository root (--mock-data and a NullTokenizer of VOCAB_SIZE: no download; its
+# eod id makes 128257 ids, padded to 128384 rows: 1M parameters more than Llama's 128256):
 #   bash examples/llama3_8b_one_gpu.sh                          # 256K, F = 0.3, 3 iterations
 #   SEQ_LENGTH=65536 OFFLOAD_FRACTION=0.7 bash examples/llama3_8b_one_gpu.sh --grad-reduce-in-bf16
 #   DATA_PATH=data/long_text_document TOKENIZER_MODEL=/models/Llama-3.1-8B \
