@@ -208,3 +208,142 @@ def test_sdpa_has_no_s_squared_term(tmp_path, dims):
         for row in (rows[("none", s)], rows[("selective", s)]):
             assert row["per_token"]["layer"]["device"] == \
                 pytest.approx(row["analytic"]["layer"]["device"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-GPU state of each data-parallel strategy (`--strategies`): formulas, no model is built.
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mm():
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    import memory_model
+    return memory_model
+
+
+def test_parameter_counts_are_llama_3_1s(mm):
+    """Meta's published counts of Llama-3.1-8B and 70B; the 1B one measured on the H200."""
+    count = {name: mm.ParamCounts.of(shape, shape.vocab).total
+             for name, shape in mm.SHAPES.items()}
+    assert count["llama-3.1-8b"] == 8_030_261_248
+    assert count["llama-3.1-70b"] == 70_553_706_496
+    with open(mm.MEASURED_PEAKS) as f:
+        assert count["llama-1b"] == json.load(f)["params"]
+
+
+def test_one_shard_fsdp_is_ddp_without_sharding(mm):
+    """At DP x SP = 1 nothing is split: every Megatron-FSDP strategy with fp32 main grads holds
+    what DDP + distributed optimizer does (2 + 4 + 4 + 8 bytes per parameter), with no transient
+    buffer; bf16 main grads (Megatron-LM's default) save 2 bytes per parameter."""
+    counts = mm.ParamCounts.of(mm.SHAPES["llama-3.1-8b"], 128256)
+    P = counts.total
+    ddp = mm.strategy_state(counts, "ddp", 1)
+    assert ddp.device == 18 * P and ddp.host == 0
+    for name in ("optim", "optim_grads", "optim_grads_params"):
+        fp32 = mm.strategy_state(counts, name, 1, fsdp_grad_bytes=4)
+        assert fp32.device == ddp.device and fp32.transient == 0, name
+        assert mm.strategy_state(counts, name, 1, fsdp_grad_bytes=2).device == 16 * P, name
+
+
+@pytest.mark.parametrize("shards", [2, 8, 64])
+def test_sharded_terms_divide_by_dp_times_sp(mm, shards):
+    counts = mm.ParamCounts.of(mm.SHAPES["llama-3.1-70b"], 128256)
+    one = {name: mm.strategy_state(counts, name, 1) for name in mm.STRATEGIES}
+    many = {name: mm.strategy_state(counts, name, shards) for name in mm.STRATEGIES}
+    sharded = {"ddp": ("master", "moments"), "optim": ("master", "moments"),
+               "optim_grads": ("grads", "master", "moments"),
+               "optim_grads_params": ("weights", "grads", "master", "moments")}
+    for name, fields in sharded.items():
+        for field in ("weights", "grads", "master", "moments"):
+            ratio = shards if field in fields else 1
+            assert getattr(many[name], field) * ratio == pytest.approx(
+                getattr(one[name], field)), (name, field)
+    # What is sharded comes back whole while it is used: optim_grads' one bucket of grads, and
+    # optim_grads_params' gathered layers (at least the running one and the next) + the
+    # embedding / output bucket, and their grads.
+    g = 2
+    assert many["optim_grads"].transient == g * counts.total
+    low = (2 + g) * (counts.outside + 2 * counts.layer)
+    assert low <= many["optim_grads_params"].transient < (2 + g) * counts.total
+    assert many["optim_grads_params"].device < many["optim_grads"].device \
+        < many["ddp"].device
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 1.0])
+@pytest.mark.parametrize("shards", [1, 8])
+def test_offload_moves_the_fraction_of_master_and_moments_to_host(mm, fraction, shards):
+    counts = mm.ParamCounts.of(mm.SHAPES["llama-3.1-8b"], 128256)
+    P, N = counts.total, shards
+    ddp = mm.strategy_state(counts, "ddp", N)
+    off = mm.strategy_state(counts, "offload", N, offload_fraction=fraction)
+    state = ddp.master + ddp.moments
+    assert off.master + off.moments == pytest.approx((1 - fraction) * state)
+    assert off.host_optimizer == pytest.approx(fraction * state)
+    # the weights and the fp32 grad buffer stay; the host also keeps a pinned fp32 grad copy
+    # of the offloaded share, and the bf16 staging copies of the whole model's share
+    assert (off.weights, off.grads) == (ddp.weights, ddp.grads)
+    assert off.host_grads == pytest.approx(fraction * 4 * P / N)
+    assert off.host_staging == pytest.approx(fraction * 2 * P)
+    assert off.device + off.host_optimizer == pytest.approx(ddp.device)
+    if fraction == 0:
+        assert off == ddp
+    # --grad-reduce-in-bf16 halves the grad buffer, but the hybrid optimizer casts the GPU
+    # share's grads to fp32 copies it keeps: a saving only above f = 0.5 at one shard.
+    bf16 = mm.strategy_state(counts, "offload", N, offload_fraction=fraction, ddp_grad_bytes=2)
+    assert bf16.grads == pytest.approx(2 * P + 4 * (1 - fraction) * P / N)
+    if N == 1:
+        assert (bf16.device < off.device) == (fraction > 0.5)
+
+
+def test_the_calibration_predicts_the_measured_peaks(mm):
+    """The model's state of the 1B run (18 bytes per parameter, not fitted) plus the fitted slope
+    gives each measured peak of max_seq_len.py within 0.5%."""
+    cal = mm.Calibration.load()
+    shape = mm.SHAPES["llama-1b"]
+    state = mm.strategy_state(mm.ParamCounts.of(shape, shape.vocab), "ddp", 1)
+    assert state.device / mm.harness.GIB == pytest.approx(cal.static_gib, rel=5e-3)
+    with open(mm.MEASURED_PEAKS) as f:
+        rows = [r for r in json.load(f)["rows"] if r["status"] == "ok"]
+    assert len(rows) >= 3
+    for r in rows:
+        predicted = state.device + r["s"] * cal.slope_of(shape, shape.vocab, r["s"])
+        assert predicted / mm.harness.GIB == pytest.approx(r["peak_alloc_gib"], rel=5e-3), r["s"]
+    assert 0 < cal.extra < 16  # grads and workspaces of one layer's backward, in [s, h] tensors
+
+
+def test_longest_sequence_is_the_last_that_fits(mm):
+    cal = mm.Calibration.load()
+    shape = mm.SHAPES["llama-3.1-8b"]
+    counts = mm.ParamCounts.of(shape, shape.vocab)
+    for name in mm.STRATEGIES:
+        state = mm.strategy_state(counts, name, 8)
+        s = mm.longest_sequence(shape, shape.vocab, state, 8, 79.2, cal)
+        limit = (79.2 - mm.CARD_RESERVE_GIB) * mm.harness.GIB
+        peak = lambda seq: state.device + seq // 8 * cal.slope_of(shape, shape.vocab, seq // 8)
+        assert s % (4096 * 8) == 0 and 0 < s, name
+        assert peak(s) <= limit < peak(s + 4096 * 8), name
+
+
+def test_offloaded_activations_take_power_of_two_pinned_blocks(mm):
+    shape = mm.SHAPES["llama-3.1-8b"]
+    h, L = shape.hidden, shape.layers
+    s = 3 * 2**16  # [s, h] bf16 = 1.5 GiB: a 2 GiB block each
+    exact = mm.offloaded_host_bytes(shape, shape.vocab, s, rounded=False)
+    rounded = mm.offloaded_host_bytes(shape, shape.vocab, s)
+    assert exact >= (L + 1) * s * h * 2  # every layer's input and the final norm's
+    assert rounded >= (L + 1) * 2 * 2**30 and rounded / exact == pytest.approx(4 / 3, rel=1e-2)
+
+
+def test_strategies_cli_prints_plans_within_the_budgets(tmp_path):
+    out = tmp_path / "strategies.json"
+    run = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "bench" / "memory_model.py"), "--strategies",
+         "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "### Per-GPU model + optimizer state (GiB)" in run.stdout
+    result = json.loads(out.read_text())
+    assert len(result["rows"]) == 2 * 2 * 6  # models x layouts x strategies
+    for plan in result["one_gpu"]:
+        if plan["longest_s"]:
+            assert plan["device_gib"] <= result["cards"][plan["card"]] - 2.5
+            assert plan["host_gib"] <= 125.0
