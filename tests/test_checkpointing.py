@@ -584,6 +584,14 @@ def test_te_fp8_extra_state_is_admitted_and_a_payload_in_its_tensors_is_not(tmp_
     fp8_state = {"scale_fwd": torch.ones(3), "amax_history_fwd": torch.zeros(16, 3),
                  "extra_fp8_variables": {"num_gemms": 3, "fp8_checkpoint": True}}
     check_extra_states("ckpt", _extra_state(fp8_state))
+    # megatron-core 0.19 pickles its storages through its own safe_load_from_bytes (the name
+    # an H100 run's FP8 checkpoint held)
+    as_019 = pickle.dumps(fp8_state, protocol=3).replace(  # 3: GLOBAL opcodes, no frames
+        b"ctorch.storage\n_load_from_bytes\n",
+        b"cmegatron.core.safe_globals\nsafe_load_from_bytes\n")
+    assert b"safe_load_from_bytes" in as_019
+    check_extra_states("ckpt", {"layer._extra_state": torch.frombuffer(bytearray(as_019),
+                                                                       dtype=torch.uint8)})
 
     marker = tmp_path / "ran"
     for legacy in (False, True):  # the storage's own format, and the zip format
@@ -603,3 +611,23 @@ class _FromBytes:
 
     def __reduce__(self):
         return torch.storage._load_from_bytes, (self.data,)
+
+
+class _CallsAdamW:
+    """Pickles as a call of torch.optim.AdamW (its constructor would run on load)."""
+
+    def __reduce__(self):
+        return torch.optim.AdamW, ([torch.zeros(1)],)
+
+
+def test_the_offloaded_optimizers_classes_pass_as_values_and_are_never_called():
+    """--optimizer-cpu-offload: megatron-core's HybridDeviceOptimizer keeps its sub-optimizers'
+    classes in its param groups, so its common state names them; a payload calling one is
+    refused."""
+    from megatron_ulysses.training import trust
+
+    groups = [{"lr": 1e-3, "cpu_optimizer_cls": torch.optim.AdamW,
+               "gpu_optimizer_cls": torch.optim.SGD, "params": [0, 1]}]
+    trust._check_torch_payload(_blob({"optimizer": {"param_groups": groups}}))
+    with pytest.raises(trust._Refused, match="a call of torch.optim.adamw.AdamW"):
+        trust._check_torch_payload(_blob({"evil": _CallsAdamW()}))

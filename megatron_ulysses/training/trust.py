@@ -6,8 +6,9 @@ samples, arguments and the scheduler state are JSON-able. Megatron-LM's checkpoi
 its args (an `argparse.Namespace`), numpy RNG states and a few of megatron-core's enums
 (`_MEGATRON_LM`). Before megatron-core reads anything, every file it would unpickle is checked
 with a restricted unpickler that admits only tensors, plain containers, torch.distributed.
-checkpoint's metadata classes (in `.metadata`) and the `_MEGATRON_LM` types (in `.pt` files and
-ShardedObjects), for both megatron-core 0.16 and 0.19:
+checkpoint's metadata classes (in `.metadata`) and the `_MEGATRON_LM` types and the offloaded
+optimizer's classes, as values only (in `.pt` files and ShardedObjects), for both megatron-core
+0.16 and 0.19:
   * `.metadata` (and any rank-local `__<rank>.metadata`): `pickle.load` in DCP's FileSystemReader;
   * every BytesIO item those files list (ShardedObjects: the common state in 0.19, layers'
     `_extra_state`, anything planted), read from `*.distcp` and unpickled by DCP's
@@ -129,7 +130,31 @@ _TE_EXTRA_STATE = {
     # megatron-core's subclass of the delayed recipe, what its TE layers store (H100 run)
     ("megatron.core.extensions.transformer_engine", "TEDelayedScaling"): _Stub,
     ("torch.storage", "_load_from_bytes"): _storage_from_bytes,
+    # megatron-core 0.19 replaces torch.storage._load_from_bytes with this weights_only
+    # version on import, so the storages it pickles name it (H100 run); same bytes
+    ("megatron.core.safe_globals", "safe_load_from_bytes"): _storage_from_bytes,
 }
+
+
+class _ValueOnly:
+    """A class a checkpoint may hold as a value but never call (REDUCE / NEWOBJ refuse)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise _Refused(f"a call of {self.name}")
+
+
+# megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload) keeps its sub-optimizers'
+# classes in its param groups' defaults, so the distributed optimizer's common state pickles
+# them (H100 run): torch's CPU AdamW / SGD and the GPU side's TE, apex or torch class.
+_OFFLOAD_OPTIMIZER_CLASSES = {(module, name): _ValueOnly(f"{module}.{name}") for module, name in (
+    ("torch.optim.adamw", "AdamW"), ("torch.optim.sgd", "SGD"),
+    ("transformer_engine.pytorch.optimizers.fused_adam", "FusedAdam"),
+    ("transformer_engine.pytorch.optimizers.fused_sgd", "FusedSGD"),
+    ("apex.optimizers.fused_adam", "FusedAdam"), ("apex.optimizers.fused_sgd", "FusedSGD"),
+)}
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -179,8 +204,8 @@ def _check_torch_payload(data: bytes) -> None:
         if not any(os.path.basename(n) == "data.pkl" for n in pickles):
             raise _Refused("a zip without data.pkl")
         for name in pickles:
-            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD, **_MEGATRON_LM},
-                      storages=True)
+            _unpickle(archive.read(name), {**_PLAIN, **_TENSOR_REBUILD, **_MEGATRON_LM,
+                                           **_OFFLOAD_OPTIMIZER_CLASSES}, storages=True)
 
 
 def _refusal(path: str, file: str, what: str, where: str = "") -> ConfigError:

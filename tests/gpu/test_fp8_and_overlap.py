@@ -2,7 +2,7 @@
 performance.py`), each run one process, all started together in two waves:
 
 - FP8 (`--fp8-format hybrid`, recipes delayed and tensorwise, Transformer Engine's layers and
-  attention) tracks bf16's losses within FP8_TOL over ITERS iterations of the bundled corpus
+  attention) tracks bf16's losses (FP8_TOL) over ITERS iterations of the bundled corpus
   (real text, the tests' sentencepiece tokenizer), and is not bf16 (some loss differs: the
   flags reached TE). FP8 at SP 2 against SP 1: tests/gpu/test_trainer_sp.py.
 - The distributed optimizer with `--overlap-grad-reduce --overlap-param-gather` logs the digits
@@ -12,8 +12,8 @@ performance.py`), each run one process, all started together in two waves:
   bf16 the same way. (`--fp8-dot-product-attention` is refused: on the H100 TE 2.20.2 found no
   FP8 attention kernel for these inputs.)
 - `--grad-reduce-in-bf16` and the precision-aware optimizer with half its states offloaded to
-  the CPU (`--optimizer-cpu-offload --optimizer-offload-fraction 0.5`) track bf16 within
-  CLOSE_TOL (only rounding differs).
+  the CPU (`--optimizer-cpu-offload --optimizer-offload-fraction 0.5`) track bf16 closer
+  (CLOSE_TOL: only rounding differs).
 - FP8 save + resume: a delayed-scaling run saved at HALF and resumed logs the uninterrupted
   run's digits after HALF (the amax histories and scales are TE's `_extra_state` in the
   checkpoint; without them the resumed scales would differ).
@@ -44,11 +44,15 @@ RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "-
 FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
        "max"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather"]
-# FP8 (e4m3 forward, e5m2 backward) against bf16 on this model: each iteration's loss within
-# 5% (FP8 rounds every GEMM input to 3 mantissa bits; on mock data over 20 iterations the H100
-# measured at most 1.3e-2).
-FP8_TOL = 5e-2
-CLOSE_TOL = 2e-2  # bf16 gradient accumulation / another Adam implementation: rounding only
+# Against bf16 over ITERS iterations of real text the runs drift apart (each batch's loss is
+# noisy and a small difference in the weights moves it), so "tracks" is: every iteration within
+# EACH of bf16's and the mean of the last LAST iterations within MEAN. FP8 (e4m3 forward, e5m2
+# backward) measured on the H100 at most 0.10 / 0.028 (delayed, param gather) and 0.052 / 0.007
+# (tensorwise); bf16 grad reduce and the offloaded optimizer (rounding only) 0.039 / 0.0015 and
+# 0.007 / 0.002.
+LAST = 10
+FP8_TOL = dict(each=0.15, mean=0.05)
+CLOSE_TOL = dict(each=0.06, mean=0.01)
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +91,14 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
 def _tracks_bf16(runs, name, tolerance):
     bf16, got = runs["bf16"].check().losses, runs[name].check().losses
     assert sorted(got) == sorted(bf16) == list(range(1, ITERS + 1))
-    report(f"{name}_vs_bf16", worst_rel=max(abs(got[i] - bf16[i]) / bf16[i] for i in bf16))
     assert got != bf16, f"{name} logged bf16's digits: its flags did not reach megatron-core"
-    for i in bf16:
-        assert got[i] == pytest.approx(bf16[i], rel=tolerance), (name, i)
+    each = max(abs(got[i] - bf16[i]) / bf16[i] for i in bf16)
+    last = range(ITERS - LAST + 1, ITERS + 1)
+    mean = abs(sum(got[i] for i in last) / sum(bf16[i] for i in last) - 1)
+    report(f"{name}_vs_bf16", worst_rel=each, last_mean_rel=mean)
+    assert each < tolerance["each"], (name, got, bf16)
+    assert mean < tolerance["mean"], (name, got, bf16)
+    assert got[ITERS] < 0.5 * got[1], (name, got)  # it learned
 
 
 @pytest.mark.parametrize("name", ["fp8_delayed", "fp8_tensorwise", "fp8_param_gather"])

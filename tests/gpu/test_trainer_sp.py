@@ -88,6 +88,10 @@ DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
 # the SP group: every SP rank scales by the amax of the whole sequence, as SP 1 does.
 FP8 = ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo",
        "max"]
+# FP8's grad norm at SP 2 against SP 1: the H100 measured 1.7e-2 (loss 9e-4, within LOSS_REL):
+# the backward's e5m2 gradients (2 mantissa bits) round differently once the sums over the
+# sequence are split over ranks.
+FP8_GRAD_NORM_REL = 5e-2
 MEMORY = ["--tiled-mlp-shards", "4", "--tiled-loss-shards", "4", "--offload-activations",
           "--recompute-granularity", "full", "--recompute-method", "uniform"]
 
@@ -180,13 +184,13 @@ def _trained(run, dp, sp, iterations=range(1, ITERS + 1)):
     return run
 
 
-def _compare(run, reference, name):
+def _compare(run, reference, name, grad_norm_rel=GRAD_NORM_REL):
     """lm loss and grad norm at each iteration `run` logged, and validation loss at each of
-    its evaluations, against `reference` (relative, LOSS_REL and GRAD_NORM_REL)."""
+    its evaluations, against `reference` (relative, LOSS_REL and `grad_norm_rel`)."""
     got, expected = run.iterations, reference.iterations
     loss = {i: abs(got[i][0] - expected[i][0]) / abs(expected[i][0]) for i in got}
     norm = {i: abs(got[i][2] - expected[i][2]) / abs(expected[i][2]) for i in got}
-    norm_ok = {i: abs(got[i][2] - expected[i][2]) <= GRAD_NORM_REL * abs(expected[i][2]) + 1e-3
+    norm_ok = {i: abs(got[i][2] - expected[i][2]) <= grad_norm_rel * abs(expected[i][2]) + 1e-3
                for i in got}  # + the log's 3 decimals
     assert run.validation and run.validation.keys() <= reference.validation.keys(), name
     validation = {i: abs(v - reference.validation[i]) / abs(reference.validation[i])
@@ -221,7 +225,7 @@ def test_packed_documents_at_sp2_match_sp1(runs):
 def test_fp8_at_sp2_matches_fp8_at_sp1(runs):
     sp1, sp2 = _trained(runs["fp8_sp1"], 1, 1), _trained(runs["fp8_sp2"], 1, 2)
     assert sp1.losses != runs["sp1"].losses, "FP8 logged bf16's digits: it did not reach TE"
-    _compare(sp2, sp1, "fp8_sp2_vs_sp1")
+    _compare(sp2, sp1, "fp8_sp2_vs_sp1", grad_norm_rel=FP8_GRAD_NORM_REL)
 
 
 def test_tiled_mlp_tiled_loss_and_offload_at_sp2_match_sp1(runs):
