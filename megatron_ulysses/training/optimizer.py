@@ -17,8 +17,11 @@ from megatron.core.dist_checkpointing.optimizer import (
 )
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import to_local_if_dtensor
+from torch.distributed.tensor import DTensor
 
 from .config.performance import PerformanceConfig, optimizer_kwargs
+from .fsdp import local_grad
 
 
 def mcore_optimizer_config(config, model_config):
@@ -49,7 +52,8 @@ def param_groups(model, mcore_config):
 
 
 class CpuAdamW:
-    """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
+    """AdamW over `param.main_grad` (DDP) or FSDP2's sharded `param.grad`, with megatron-core's
+    `step() -> (ok, grad_norm, zeros)`."""
 
     def __init__(self, model, config, groups, log_num_zeros_in_grad: bool = False):
         """`config`: an `OptimizerConfig`; `groups`: `param_groups`; `log_num_zeros_in_grad`:
@@ -75,29 +79,35 @@ class CpuAdamW:
         for param in self.get_parameters():
             param.grad = None
 
-    def grad_norm(self) -> float:
-        """L2 norm of all gradients, each counted once over TP x PP."""
-        squares = torch.zeros(1, dtype=torch.float64)
+    def _over_grads(self, per_grad, dtype) -> torch.Tensor:
+        """Σ `per_grad(local gradient)` over all gradients, each counted once over TP x PP
+        and, for FSDP's shards, summed over DP x SP."""
+        replicated, sharded = torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)
         for param in self.get_parameters():
             if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                squares += param.main_grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
-        return math.sqrt(squares.item())
+                total = sharded if isinstance(param, DTensor) else replicated
+                total += per_grad(local_grad(param))
+        dist.all_reduce(sharded, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        total = replicated + sharded
+        dist.all_reduce(total, group=mpu.get_model_parallel_group())
+        return total
+
+    def grad_norm(self) -> float:
+        """L2 norm of all gradients."""
+        return math.sqrt(self._over_grads(lambda g: g.double().pow(2).sum(),
+                                          torch.float64).item())
 
     def count_zeros(self) -> int:
-        """Zero entries of all gradients, each parameter counted once over TP x PP
-        (megatron-core's `count_zeros_fp32`, which allocates on CUDA)."""
-        zeros = torch.zeros(1, dtype=torch.int64)
-        for param in self.get_parameters():
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                zeros += param.grad.numel() - torch.count_nonzero(param.grad)
-        dist.all_reduce(zeros, group=mpu.get_model_parallel_group())
-        return int(zeros.item())
+        """Zero entries of all gradients (megatron-core's `count_zeros_fp32`, which allocates
+        on CUDA)."""
+        return int(self._over_grads(lambda g: g.numel() - torch.count_nonzero(g),
+                                    torch.int64).item())
 
     @torch.no_grad()
     def step(self):
         for param in self.get_parameters():
-            param.grad = param.main_grad.to(param.dtype)
+            if hasattr(param, "main_grad"):  # DDP's buffer; FSDP2 reduces into `grad`
+                param.grad = param.main_grad.to(param.dtype)
         norm = self.grad_norm()
         if self.clip_grad > 0 and norm > self.clip_grad:
             coefficient = self.clip_grad / (norm + 1e-6)
@@ -121,6 +131,8 @@ class CpuAdamW:
         if is_loading:
             self._init_state()
         state_dict = self.optimizer.state_dict()
+        for param_state in state_dict["state"].values():  # FSDP2: the local shards
+            param_state.update({k: to_local_if_dtensor(v) for k, v in param_state.items()})
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict,
                                                    self.get_parameters())
         steps = {float(s["step"]) for s in state_dict["state"].values() if "step" in s}
@@ -135,6 +147,11 @@ class CpuAdamW:
         if step is not None:
             for param_state in state_dict["state"].values():
                 param_state["step"] = torch.tensor(float(step))
+        for index, param in enumerate(self.get_parameters()):  # FSDP2: shards to DTensors
+            if isinstance(param, DTensor) and index in state_dict["state"]:
+                param_state = state_dict["state"][index]
+                param_state.update({k: DTensor.from_local(v, param.device_mesh, param.placements)
+                                    for k, v in param_state.items() if k != "step"})
         self.optimizer.load_state_dict(state_dict)
 
 

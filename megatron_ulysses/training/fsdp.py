@@ -1,0 +1,120 @@
+"""Sharded data parallelism: the GPTModel in megatron-core's FSDP wrappers, sharded over
+megatron-core's data-parallel group, which here is DP x SP (the Ulysses SP groups are carved out
+of it), so an SP rank holds 1/(DP x SP) of what the strategy shards.
+
+    --use-torch-fsdp2   megatron-core's TorchFullyShardedDataParallel (PyTorch's fully_shard):
+                        parameters, gradients and Adam moments sharded (ZeRO-3); CPU and GPU
+    --use-megatron-fsdp megatron-core's FullyShardedDataParallel with its distributed optimizer;
+                        --data-parallel-sharding-strategy picks what is sharded; GPU only (its
+                        buffers live on CUDA streams)
+
+Both reduce gradients as DDP does here: summed over DP x SP, then divided by the global batch's
+token count (`finalize_model_grads` calls `scale_gradients`), so the losses equal DDP's.
+"""
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import TorchFullyShardedDataParallel
+from megatron.core.utils import to_local_if_dtensor
+
+from .. import parallel_state as ps
+
+# What each --data-parallel-sharding-strategy shards over DP x SP (Megatron-LM's meaning).
+SHARDED_TERMS = {
+    "no_shard": (),
+    "optim": ("optimizer state",),
+    "optim_grads": ("optimizer state", "gradients"),
+    "optim_grads_params": ("optimizer state", "gradients", "parameters"),
+}
+
+
+def sharding_strategy(performance):
+    """What the run shards over DP x SP, as a --data-parallel-sharding-strategy (None: DDP)."""
+    if performance.use_torch_fsdp2:
+        return "optim_grads_params"
+    if performance.use_megatron_fsdp:
+        return performance.data_parallel_sharding_strategy
+    return None
+
+
+class UlyssesTorchFSDP2(TorchFullyShardedDataParallel):
+    """megatron-core's FSDP2 wrapper with the per-token loss: each reduce-scatter sums over
+    DP x SP (FSDP2 averages by default) and `scale_gradients` (a no-op in megatron-core's
+    wrapper) divides the sharded gradients by the token count."""
+
+    def __init__(self, config, ddp_config, module):
+        super().__init__(config=config, ddp_config=ddp_config, module=module)
+        from torch.distributed.fsdp import FSDPModule
+
+        for sub in self.module.modules():
+            if isinstance(sub, FSDPModule):
+                sub.set_gradient_divide_factor(1.0)
+                sub.set_force_sum_reduction_for_comms(True)  # SUM, not PREMUL_SUM (gloo)
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        """Nothing to wait for: FSDP2 reduce-scatters in its post-backward hooks (megatron-core
+        0.16's wrapper lacks the `force_all_reduce` argument its finalize_model_grads passes)."""
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(scaling_factor)
+
+
+def check_shard_group(model) -> int:
+    """The size of the group `model`'s parameters are sharded over; raises unless it is
+    megatron-core's DP group, of DP x SP ranks."""
+    from torch.distributed.tensor import DTensor
+
+    dims = ps.get_parallel_dims()
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    for name, param in model.named_parameters():
+        if isinstance(param, DTensor):
+            mesh_ranks = dist.get_process_group_ranks(param.device_mesh.get_group())
+            if mesh_ranks != dist.get_process_group_ranks(group):
+                raise RuntimeError(f"{name} is sharded over ranks {mesh_ranks}, not over the "
+                                   f"DP x SP group {dist.get_process_group_ranks(group)}")
+    size = dist.get_world_size(group)
+    if size != dims.dp * dims.sp:
+        raise RuntimeError(f"megatron-core's DP group has {size} ranks, not DP x SP = "
+                           f"{dims.dp} x {dims.sp}")
+    return size
+
+
+def _bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in map(to_local_if_dtensor, tensors))
+
+
+def rank_bytes(model, optimizer) -> dict:
+    """This rank's bytes of parameters, gradients and Adam moments (the local shards of sharded
+    tensors): what the sharding strategy divides by DP x SP. Read after a step."""
+    params = [p for p in model.parameters()]
+    grads = [getattr(p, "main_grad", p.grad) for p in params]
+    moments = [value for state in optimizer_states(optimizer)
+               for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
+    return {"parameters": _bytes(params), "gradients": _bytes(g for g in grads if g is not None),
+            "optimizer state": _bytes(moments)}
+
+
+def optimizer_states(optimizer):
+    """The per-parameter states of a torch optimizer, or of megatron-core's wrapper(s) of one."""
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    for each in inner:
+        torch_optimizer = getattr(each, "optimizer", each)
+        yield from torch_optimizer.state.values()
+
+
+def log_rank_bytes(model, optimizer, strategy: str) -> None:
+    """One line per rank: its measured bytes and what `strategy` shards."""
+    measured = rank_bytes(model, optimizer)
+    terms = ", ".join(SHARDED_TERMS[strategy]) or "nothing"
+    line = " | ".join(f"{name} {value}" for name, value in measured.items())
+    print(f" > rank {dist.get_rank()} bytes ({strategy}: {terms} sharded over DP x SP = "
+          f"{check_shard_group(model)}): {line}", flush=True)
+
+
+def local_grad(param) -> torch.Tensor:
+    """This rank's gradient of `param`: DDP's `main_grad`, or FSDP's local shard of `grad`."""
+    grad = getattr(param, "main_grad", None)
+    return to_local_if_dtensor(param.grad if grad is None else grad)
