@@ -118,3 +118,47 @@ def local_grad(param) -> torch.Tensor:
     """This rank's gradient of `param`: DDP's `main_grad`, or FSDP's local shard of `grad`."""
     grad = getattr(param, "main_grad", None)
     return to_local_if_dtensor(param.grad if grad is None else grad)
+
+
+def local_shards_as_dtensors(module, state: dict) -> dict:
+    """`state` (a loaded model state: FSDP2's local shards, as megatron-core's sharded state dict
+    names them) with each shard of a sharded parameter of `module` made its DTensor again, so
+    `module.load_state_dict` copies it; the other entries as they are."""
+    from torch.distributed.tensor import DTensor
+
+    targets = module.state_dict(keep_vars=True)
+    return {key: DTensor.from_local(value, targets[key].device_mesh, targets[key].placements)
+            if isinstance(targets.get(key), DTensor) else value for key, value in state.items()}
+
+
+def model_sharded_state_dict(model) -> dict:
+    """megatron-core's sharded state dict of the GPTModel in `model`; under FSDP2 with SwiGLU,
+    each fused fc1 `[gate; up]` shard described by its place in the checkpoint's layout.
+
+    megatron-core's SwiGLU factory splits a TP rank's `[gate_t; up_t]` rows in two halves; an
+    FSDP2 shard is instead the d-th of D = DP x SP row blocks of them. With D even it lies in
+    one half: chunk (half x TP + t) x D/2 + d mod D/2 of TP x D in the layout DDP writes, so
+    the checkpoint loads at any DP x SP, with or without FSDP."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+
+    state = model.module.sharded_state_dict()
+    group = mpu.get_data_parallel_group(with_context_parallel=True)
+    shards, shard = dist.get_world_size(group), dist.get_rank(group)
+    if not isinstance(model, UlyssesTorchFSDP2) or shards == 1:  # the factory's halves hold
+        return state
+    tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+
+    def place(value):
+        if not (isinstance(value, ShardedTensorFactory) and ".linear_fc1." in value.key):
+            return value
+        half, within = divmod(shard, shards // 2)
+        chunk = shard if tp == 1 else (half * tp + tp_rank) * (shards // 2) + within
+        gate = value.build_fn(value.key, value.data, value.replica_id, None)[0]
+        axes = gate.prepend_axis_num  # the layer axis megatron-core prepends
+        prepended = [(i, gate.global_offset[i], gate.axis_fragmentations[i]) for i in range(axes)]
+        return ShardedTensor.from_rank_offsets(
+            value.key, value.data, *prepended, (axes, chunk, tp * shards),
+            replica_id=value.replica_id, prepend_axis_num=axes)
+
+    return dict_list_map_inplace(place, state)

@@ -133,8 +133,9 @@ class CpuAdamW:
         state_dict = self.optimizer.state_dict()
         for param_state in state_dict["state"].values():  # FSDP2: the local shards
             param_state.update({k: to_local_if_dtensor(v) for k, v in param_state.items()})
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict,
-                                                   self.get_parameters())
+        # megatron-core's sharded state dict holds FSDP2's local shards, not the DTensors
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [
+            p._local_tensor if isinstance(p, DTensor) else p for p in self.get_parameters()])
         steps = {float(s["step"]) for s in state_dict["state"].values() if "step" in s}
         assert len(steps) <= 1, f"parameters at different Adam steps: {steps}"
         optim_state_to_sharding_state(state_dict, id_map, exclude_keys="step")
