@@ -131,8 +131,9 @@ class CpuAdamW:
         if is_loading:
             self._init_state()
         state_dict = self.optimizer.state_dict()
-        for param_state in state_dict["state"].values():  # FSDP2: the local shards
-            param_state.update({k: to_local_if_dtensor(v) for k, v in param_state.items()})
+        # FSDP2: the local shards (new dicts: state_dict() shares the live ones)
+        state_dict["state"] = {index: {k: to_local_if_dtensor(v) for k, v in state.items()}
+                               for index, state in state_dict["state"].items()}
         # megatron-core's sharded state dict holds FSDP2's local shards, not the DTensors
         id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [
             p._local_tensor if isinstance(p, DTensor) else p for p in self.get_parameters()])
