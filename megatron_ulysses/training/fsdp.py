@@ -19,6 +19,7 @@ from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.utils import to_local_if_dtensor
 
 from .. import parallel_state as ps
+from ..errors import ConfigError
 
 # What each --data-parallel-sharding-strategy shards over DP x SP (Megatron-LM's meaning).
 SHARDED_TERMS = {
@@ -44,6 +45,7 @@ class UlyssesTorchFSDP2(TorchFullyShardedDataParallel):
     wrapper) divides the sharded gradients by the token count."""
 
     def __init__(self, config, ddp_config, module):
+        _check_even_rows(module)
         super().__init__(config=config, ddp_config=ddp_config, module=module)
         from torch.distributed.fsdp import FSDPModule
 
@@ -60,6 +62,19 @@ class UlyssesTorchFSDP2(TorchFullyShardedDataParallel):
         for param in self.module.parameters():
             if param.grad is not None:
                 param.grad.mul_(scaling_factor)
+
+
+def _check_even_rows(module) -> None:
+    """FSDP2 splits each parameter's rows (dim 0) over DP x SP; megatron-core's checkpoint
+    layout of a shard assumes equal blocks (FSDP2 pads the last one): the same ConfigError on
+    every rank, before the first collective of the wrap."""
+    shards = mpu.get_data_parallel_world_size(with_context_parallel=True)
+    for name, param in module.named_parameters():
+        if param.dim() and param.shape[0] % shards:
+            raise ConfigError(
+                f"--use-torch-fsdp2: {name} has {param.shape[0]} rows on this TP rank, not a "
+                f"multiple of data parallel x --ulysses-sp-size = {shards}, which FSDP2 splits "
+                "them over (its checkpoint shards would be uneven); choose sizes that divide")
 
 
 def check_shard_group(model) -> int:

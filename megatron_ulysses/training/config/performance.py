@@ -377,11 +377,15 @@ def _check_torch_fsdp2(args, ctx: Context) -> None:
     require(args.untie_embeddings_and_output_weights, "--use-torch-fsdp2 needs "
             "--untie-embeddings-and-output-weights (as in Megatron-LM: a tied weight would be "
             "sharded by two FSDP units)")
-    require(args.ckpt_format in ("torch_dist", "torch_dcp", "torch"),
-            f"--use-torch-fsdp2 writes torch_dist checkpoints, not --ckpt-format "
-            f"{args.ckpt_format}; use --ckpt-format torch_dist")
+    shards = ctx.dims.dp * ctx.dims.sp
+    require(not (args.swiglu and ctx.dims.tp > 1 and shards % 2 and shards > 1),
+            "--use-torch-fsdp2 with "
+            f"--swiglu and --tensor-model-parallel-size {ctx.dims.tp} needs an even data parallel "
+            f"x --ulysses-sp-size (it is {shards}): an FSDP2 shard of a TP rank's fused "
+            "[gate; up] rows must lie in one half to be checkpointed")
     # TE's and apex's fused wgrad accumulation write DDP's main_grad, which FSDP2 has not.
-    require(not ctx.cuda or args.no_gradient_accumulation_fusion,
+    require(not (ctx.cuda and not args.no_gradient_accumulation_fusion and
+                 importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
             "--use-torch-fsdp2 is not supported with gradient-accumulation fusion (as in "
             "Megatron-LM): add --no-gradient-accumulation-fusion")
     others = given_flags(args, _FSDP_FLAGS[1:] + _FSDP_OPTIONS)
