@@ -85,8 +85,12 @@ def check_shard_group(model) -> int:
     dims = ps.get_parallel_dims()
     group = mpu.get_data_parallel_group(with_context_parallel=True)
     for name, param in model.named_parameters():
-        if isinstance(param, DTensor):
-            mesh_ranks = dist.get_process_group_ranks(param.device_mesh.get_group())
+        if isinstance(param, DTensor):  # Megatron-FSDP's meshes are (dp_cp, tp)
+            mesh = param.device_mesh
+            dim = "dp_cp" if "dp_cp" in (mesh.mesh_dim_names or ()) else None
+            if dim is None and mesh.ndim > 1:
+                continue
+            mesh_ranks = dist.get_process_group_ranks(mesh.get_group(dim))
             if mesh_ranks != dist.get_process_group_ranks(group):
                 raise RuntimeError(f"{name} is sharded over ranks {mesh_ranks}, not over the "
                                    f"DP x SP group {dist.get_process_group_ranks(group)}")
@@ -104,12 +108,24 @@ def _bytes(tensors) -> int:
 def rank_bytes(model, optimizer) -> dict:
     """This rank's bytes of parameters, gradients and Adam moments (the local shards of sharded
     tensors): what the sharding strategy divides by DP x SP. Read after a step."""
-    params = [p for p in model.parameters()]
-    grads = [getattr(p, "main_grad", p.grad) for p in params]
     moments = [value for state in optimizer_states(optimizer)
                for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
-    return {"parameters": _bytes(params), "gradients": _bytes(g for g in grads if g is not None),
+    if hasattr(model, "megatron_fsdp_dist_index"):  # Megatron-FSDP: its buffers hold them
+        params, grads = _megatron_fsdp_buffers(model, "model_weight_buffer", "main_grad_buffer")
+    else:
+        params = list(model.parameters())
+        grads = [local_grad(p) for p in params if p.grad is not None or hasattr(p, "main_grad")]
+    return {"parameters": _bytes(params), "gradients": _bytes(grads),
             "optimizer state": _bytes(moments)}
+
+
+def _megatron_fsdp_buffers(model, *names):
+    """For each buffer name, the tensors Megatron-FSDP's parameter groups keep in it (a shard
+    when the strategy shards it)."""
+    groups = model.param_and_grad_buffer.parameter_groups
+    return [[buffer.data for buffer in (getattr(group, name, None) for group in groups)
+             if buffer is not None and getattr(buffer, "data", None) is not None]
+            for name in names]
 
 
 def optimizer_states(optimizer):
