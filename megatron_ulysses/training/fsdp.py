@@ -12,6 +12,8 @@ Both reduce gradients as DDP does here: summed over DP x SP, then divided by the
 token count (`finalize_model_grads` calls `scale_gradients`), so the losses equal DDP's.
 """
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
@@ -145,8 +147,9 @@ def log_rank_bytes(model, optimizer, strategy: str) -> None:
           f"{check_shard_group(model)}): {line}", flush=True)
 
 
-def local_grad(param) -> torch.Tensor:
-    """This rank's gradient of `param`: DDP's `main_grad`, or FSDP's local shard of `grad`."""
+def local_grad(param) -> Optional[torch.Tensor]:
+    """This rank's gradient of `param`: DDP's `main_grad`, or FSDP's local shard of `grad`
+    (None where Megatron-FSDP keeps it in its buffers only)."""
     grad = getattr(param, "main_grad", None)
     return to_local_if_dtensor(param.grad if grad is None else grad)
 

@@ -97,6 +97,7 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool, check_loss: boo
     loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
     grads = [(name, local_grad(param)) for name, param in model.named_parameters()
              if check_grads and param.requires_grad]
+    grads = [(name, grad) for name, grad in grads if grad is not None]  # Megatron-FSDP: buffers
     nan_loss = torch.isnan(totals[0]) & check_loss
     finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]
                          + [~nan_loss])  # on the device: one sync, below
