@@ -170,9 +170,10 @@ def model_sharded_state_dict(model) -> dict:
     each fused fc1 `[gate; up]` shard described by its place in the checkpoint's layout.
 
     megatron-core's SwiGLU factory splits a TP rank's `[gate_t; up_t]` rows in two halves; an
-    FSDP2 shard is instead the d-th of D = DP x SP row blocks of them. With D even it lies in
-    one half: chunk (half x TP + t) x D/2 + d mod D/2 of TP x D in the layout DDP writes, so
-    the checkpoint loads at any DP x SP, with or without FSDP."""
+    FSDP2 shard is instead the d-th of D = DP x SP row blocks of them: at TP 1 chunk d of D of
+    the layout DDP writes; at TP t of T with D even, within one half, chunk
+    (half x T + t) x D/2 + d mod D/2 of T x D. So the checkpoint loads at any DP x SP, with or
+    without FSDP."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
 
@@ -184,7 +185,8 @@ def model_sharded_state_dict(model) -> dict:
     tp, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
 
     def place(value):
-        if not (isinstance(value, ShardedTensorFactory) and ".linear_fc1." in value.key):
+        if not (isinstance(value, ShardedTensorFactory)
+                and value.key.endswith((".linear_fc1.weight", ".linear_fc1.bias"))):
             return value
         half, within = divmod(shard, shards // 2)
         chunk = shard if tp == 1 else (half * tp + tp_rank) * (shards // 2) + within
