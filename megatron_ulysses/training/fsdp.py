@@ -154,6 +154,25 @@ def local_grad(param) -> Optional[torch.Tensor]:
     return to_local_if_dtensor(param.grad if grad is None else grad)
 
 
+def sum_over_shards(pairs, per_tensor) -> torch.Tensor:
+    """Σ `per_tensor(this rank's shard of t)` over the (param, t) `pairs` whose param counts once
+    over TP x PP (not shared, not a TP duplicate), with FSDP's shards summed over DP x SP: `[1]`,
+    on the tensors' device, still to be all-reduced over the model-parallel group."""
+    from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+    from megatron.core.transformer.module import param_is_not_shared
+    from torch.distributed.tensor import DTensor
+
+    parts = {False: [], True: []}  # by "is an FSDP shard"
+    for param, tensor in pairs:
+        if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
+            parts[isinstance(param, DTensor)].append(per_tensor(to_local_if_dtensor(tensor)))
+    totals = [torch.stack(part).sum().reshape(1) if part else None for part in parts.values()]
+    if totals[1] is None:
+        return totals[0]
+    dist.all_reduce(totals[1], group=mpu.get_data_parallel_group(with_context_parallel=True))
+    return totals[1] if totals[0] is None else totals[0] + totals[1]
+
+
 def local_shards_as_dtensors(module, state: dict) -> dict:
     """`state` (a loaded model state: FSDP2's local shards, as megatron-core's sharded state dict
     names them) with each shard of a sharded parameter of `module` made its DTensor again, so

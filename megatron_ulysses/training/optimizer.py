@@ -15,13 +15,11 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
 from megatron.core.utils import to_local_if_dtensor
 from torch.distributed.tensor import DTensor
 
 from .config.performance import PerformanceConfig, optimizer_kwargs
-from .fsdp import local_grad
+from .fsdp import local_grad, sum_over_shards
 
 
 def mcore_optimizer_config(config, model_config):
@@ -79,29 +77,21 @@ class CpuAdamW:
         for param in self.get_parameters():
             param.grad = None
 
-    def _over_grads(self, per_grad, dtype) -> torch.Tensor:
-        """Σ `per_grad(local gradient)` over all gradients, each counted once over TP x PP
-        and, for FSDP's shards, summed over DP x SP."""
-        replicated, sharded = torch.zeros(1, dtype=dtype), torch.zeros(1, dtype=dtype)
-        for param in self.get_parameters():
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                total = sharded if isinstance(param, DTensor) else replicated
-                total += per_grad(local_grad(param))
-        dist.all_reduce(sharded, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        total = replicated + sharded
+    def _over_grads(self, per_grad) -> torch.Tensor:
+        """Σ `per_grad(local gradient)` over all gradients, each counted once."""
+        params = self.get_parameters()
+        total = sum_over_shards([(p, local_grad(p)) for p in params], per_grad)
         dist.all_reduce(total, group=mpu.get_model_parallel_group())
         return total
 
     def grad_norm(self) -> float:
         """L2 norm of all gradients."""
-        return math.sqrt(self._over_grads(lambda g: g.double().pow(2).sum(),
-                                          torch.float64).item())
+        return math.sqrt(self._over_grads(lambda g: g.double().pow(2).sum()).item())
 
     def count_zeros(self) -> int:
         """Zero entries of all gradients (megatron-core's `count_zeros_fp32`, which allocates
         on CUDA)."""
-        return int(self._over_grads(lambda g: g.numel() - torch.count_nonzero(g),
-                                    torch.int64).item())
+        return int(self._over_grads(lambda g: g.numel() - torch.count_nonzero(g)).item())
 
     @torch.no_grad()
     def step(self):
