@@ -234,6 +234,10 @@ def validate(args, ctx: Context) -> None:
                 "CUDA (GPU performance features of megatron-core and Transformer Engine); "
                 "CPU runs do without: drop " + ("it" if len(given) == 1 else "them"))
         return
+    if args.use_megatron_fsdp and not args.use_distributed_optimizer:  # as Megatron-LM does
+        ctx.warnings.append("--use-megatron-fsdp runs megatron-core's distributed optimizer "
+                            "over its buffers: --use-distributed-optimizer is on")
+        args.use_distributed_optimizer = True
     _check_fp8(args)
     _check_ddp(args, ctx)
     _check_optimizer(args)
@@ -411,11 +415,6 @@ def _check_megatron_fsdp(args, ctx: Context) -> None:
                 f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} "
                 "needs --use-megatron-fsdp")
         return
-    require(args.use_distributed_optimizer, "--use-megatron-fsdp runs megatron-core's "
-            "distributed optimizer over its buffers: add --use-distributed-optimizer (Megatron-LM "
-            "turns it on itself)")
-    require(args.optimizer in ("adam", "sgd"), f"--use-megatron-fsdp: Megatron-FSDP does not "
-            f"support --optimizer {args.optimizer}; use adam or sgd")
     require(ctx.dims.pp == 1, "--use-megatron-fsdp is not wired with pipeline parallelism "
             f"here (--pipeline-model-parallel-size {ctx.dims.pp}); use 1")
     require(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1", "--use-megatron-fsdp "
