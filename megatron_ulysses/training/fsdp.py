@@ -130,12 +130,31 @@ def _megatron_fsdp_buffers(model, *names):
             for name in names]
 
 
+def _torch_optimizers(optimizer):
+    """The torch optimizer(s) in `optimizer`: itself, or inside megatron-core's wrapper(s)."""
+    for each in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        yield getattr(each, "optimizer", each)
+
+
 def optimizer_states(optimizer):
     """The per-parameter states of a torch optimizer, or of megatron-core's wrapper(s) of one."""
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    for each in inner:
-        torch_optimizer = getattr(each, "optimizer", each)
+    for torch_optimizer in _torch_optimizers(optimizer):
         yield from torch_optimizer.state.values()
+
+
+def shard_loaded_states(optimizer) -> None:
+    """After a load: each state tensor of an FSDP2 parameter, which a checkpoint gives as this
+    rank's shard, made the DTensor the step computes with (as a fresh run's states are)."""
+    from torch.distributed.tensor import DTensor
+
+    for torch_optimizer in _torch_optimizers(optimizer):
+        for param, state in torch_optimizer.state.items():
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in state.items():
+                if torch.is_tensor(value) and not isinstance(value, DTensor) \
+                        and value.shape == param._local_tensor.shape:
+                    state[key] = DTensor.from_local(value, param.device_mesh, param.placements)
 
 
 def log_rank_bytes(model, optimizer, strategy: str) -> None:

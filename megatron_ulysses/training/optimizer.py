@@ -139,11 +139,6 @@ class CpuAdamW:
         if step is not None:
             for param_state in state_dict["state"].values():
                 param_state["step"] = torch.tensor(float(step))
-        for index, param in enumerate(self.get_parameters()):  # FSDP2: shards to DTensors
-            if isinstance(param, DTensor) and index in state_dict["state"]:
-                param_state = state_dict["state"][index]
-                param_state.update({k: DTensor.from_local(v, param.device_mesh, param.placements)
-                                    for k, v in param_state.items() if k != "step"})
         self.optimizer.load_state_dict(state_dict)
 
 
