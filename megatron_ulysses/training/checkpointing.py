@@ -71,7 +71,12 @@ from .. import processes
 from ..errors import ConfigError, flag_name
 from . import megatron_lm_checkpoint, save_guard
 from .checkpoint_saver import CheckpointSaver
-from .fsdp import local_shards_as_dtensors, model_sharded_state_dict, shard_loaded_states
+from .fsdp import (
+    local_shards_as_dtensors,
+    main_params_as_dtensors,
+    model_sharded_state_dict,
+    shard_loaded_states,
+)
 from .logging import append_progress, print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
 
@@ -631,6 +636,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     weights = local_shards_as_dtensors(gpt, loaded["model"])
     _check_missing(path, gpt.load_state_dict(weights, strict=False).missing_keys)
     if with_optimizer:
+        main_params_as_dtensors(optimizer, loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
         shard_loaded_states(optimizer)
         _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])

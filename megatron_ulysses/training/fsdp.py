@@ -142,6 +142,26 @@ def optimizer_states(optimizer):
         yield from torch_optimizer.state.values()
 
 
+def main_params_as_dtensors(optimizer, state) -> None:
+    """Before megatron-core's mixed-precision optimizer loads `state`: its fp32 main params of
+    FSDP2 parameters are DTensors, into which it copies the checkpoint's (this rank's shards):
+    those made DTensors like them (GPU only: on CPU `CpuAdamW` keeps no main params)."""
+    from torch.distributed.tensor import DTensor
+
+    chained = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    states = [state] if len(chained) == 1 else (
+        [value for _, value in sorted(state.items())] if isinstance(state, dict) else state)
+    for each, each_state in zip(chained, states):
+        groups, key = getattr(each, "fp32_from_float16_groups", None), "fp32_from_fp16_params"
+        if groups is None or not isinstance(each_state, dict) or key not in each_state:
+            continue
+        each_state[key] = [
+            [DTensor.from_local(saved, main.device_mesh, main.placements)
+             if isinstance(main, DTensor) and not isinstance(saved, DTensor) else saved
+             for main, saved in zip(main_group, saved_group)]
+            for main_group, saved_group in zip(groups, each_state[key])]
+
+
 def shard_loaded_states(optimizer) -> None:
     """After a load: each state tensor of an FSDP2 parameter, which a checkpoint gives as this
     rank's shard, made the DTensor the step computes with (as a fresh run's states are)."""
