@@ -3,9 +3,9 @@ CPU quickstart). `install()` does nothing when CUDA is available.
 
 megatron-core assumes CUDA in a few places that matter for a CPU run: `torch.cuda.current_device()`
 as a tensor device (RoPE, GlobalMemoryBuffer, local attention), `torch.cuda.current_stream()`
-(DDP), `torch.cuda.synchronize()` (dist_checkpointing) and the CUDA RNG tracker (dropout under
-tensor parallelism, activation recompute). On CPU these map to the CPU device, no-ops and a
-tracker over CPU generator states.
+(DDP), `torch.cuda.synchronize()` (dist_checkpointing), the CUDA RNG tracker (dropout under
+tensor parallelism, activation recompute) and the "cuda" device mesh of its FSDP2 wrapper. On CPU
+these map to the CPU device, no-ops, a tracker over CPU generator states and a CPU mesh.
 """
 
 import contextlib
@@ -78,11 +78,23 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+class _CpuDeviceMesh:
+    """megatron-core's FSDP2 wrapper builds `DeviceMesh.from_group(group, "cuda")`: on CPU the
+    same mesh on "cpu" (gloo), so `fully_shard` keeps the shards on the CPU."""
+
+    @staticmethod
+    def from_group(group, device_type, *args, **kwargs):
+        from torch.distributed import DeviceMesh
+
+        return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
+
+
 def install() -> None:
     """Apply the shim once, only when CUDA is absent."""
     global _INSTALLED
     if _INSTALLED or torch.cuda.is_available():
         return
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -93,6 +105,7 @@ def install() -> None:
     mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
     mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    torch_fsdp.DeviceMesh = _CpuDeviceMesh
     _INSTALLED = True
 
 

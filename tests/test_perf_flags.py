@@ -49,6 +49,27 @@ def test_gpu_only_flags_on_cpu_are_named_in_one_message():
     assert "need CUDA" in message and message.count("\n") == 0
 
 
+def test_torch_fsdp2_is_the_one_fsdp_on_cpu():
+    config = parse_args(BASE + ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"],
+                        world_size=1)
+    assert config.performance.use_torch_fsdp2 and not config.performance.use_megatron_fsdp
+    with pytest.raises(ConfigError, match="^--use-megatron-fsdp, "
+                       "--data-parallel-sharding-strategy need CUDA"):
+        parse_args(BASE + ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"],
+                   world_size=1)
+
+
+def test_megatron_fsdp_reaches_the_ddp_config():
+    """With its distributed optimizer, turned on as Megatron-LM turns it on (a warning)."""
+    config = on_gpu(["--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                     "optim_grads"])
+    assert any("--use-distributed-optimizer is on" in w for w in config.warnings)
+    ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer,
+                                                            config.performance))
+    assert ddp.use_megatron_fsdp and ddp.data_parallel_sharding_strategy == "optim_grads"
+    assert ddp.use_distributed_optimizer
+
+
 def test_cpu_run_takes_the_defaults_and_ddp_average_in_collective():
     config = parse_args(BASE + ["--ddp-average-in-collective", "--cuda-graph-impl", "none"],
                         world_size=1)
@@ -127,14 +148,37 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     (["--bf16", "--tp-comm-overlap", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], 2, "--tp-comm-overlap: not supported yet"),
     (["--bf16", "--cuda-graph-impl", "transformer_engine"], 1, "CUDA graphs are not wired"),
-    (["--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads",
-      "--use-distributed-optimizer"], 1,
-     "--use-megatron-fsdp, --data-parallel-sharding-strategy: not supported yet: FSDP is not "
-     "wired"),
-    (["--bf16", "--use-torch-fsdp2", "--use-distributed-optimizer"], 1,
-     "--use-torch-fsdp2 is not supported with megatron-core's distributed optimizer"),
+    (["--bf16", "--data-parallel-sharding-strategy", "optim"], 1,
+     "--data-parallel-sharding-strategy optim needs --use-megatron-fsdp"),
+    (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer", "--load", "/no/ckpt"], 1,
+     "--use-megatron-fsdp: .*fsdp_dtensor .*drop --save / --load, or use --use-torch-fsdp2"),
+    (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer",
+      "--pipeline-model-parallel-size", "2"], 2,
+     "--use-megatron-fsdp is not wired with pipeline parallelism"),
+    (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer", "--use-nccl-ub",
+      "--fsdp-double-buffer"], 1, "--use-nccl-ub, --fsdp-double-buffer: not supported yet"),
+    (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer",
+      "--init-model-with-meta-device", "--data-parallel-sharding-strategy", "no_shard"], 1,
+     "--init-model-with-meta-device is not supported with --data-parallel-sharding-strategy "
+     "no_shard"),
     (["--bf16", "--use-megatron-fsdp", "--fsdp-manual-registration"], 1,
      "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub"),
+    (["--bf16", "--use-torch-fsdp2", "--use-megatron-fsdp"], 1,
+     "--use-torch-fsdp2 and --use-megatron-fsdp are exclusive"),
+    (["--bf16", "--use-torch-fsdp2", "--use-distributed-optimizer"], 1,
+     "--use-torch-fsdp2 .* drop --use-distributed-optimizer"),
+    (["--bf16", "--use-torch-fsdp2"], 1, "--use-torch-fsdp2 needs "
+     "--untie-embeddings-and-output-weights"),
+    (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+      "--pipeline-model-parallel-size", "2"], 2,
+     "--use-torch-fsdp2 is not supported with pipeline parallelism"),
+    (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
+      "--data-parallel-sharding-strategy", "optim"], 1,
+     "--data-parallel-sharding-strategy: Megatron-FSDP's options"),
+    (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--swiglu",
+      "--tensor-model-parallel-size", "2"], 6,
+     "--swiglu and --tensor-model-parallel-size 2 needs an even data parallel x "
+     "--ulysses-sp-size \\(it is 3\\)"),
     (["--bf16", "--defer-embedding-wgrad-compute"], 1, "--pipeline-model-parallel-size > 1"),
     (["--bf16", "--defer-embedding-wgrad-compute", "--pipeline-model-parallel-size", "2",
       "--no-gradient-accumulation-fusion"], 2, "needs gradient-accumulation fusion"),

@@ -71,6 +71,12 @@ from .. import processes
 from ..errors import ConfigError, flag_name
 from . import megatron_lm_checkpoint, save_guard
 from .checkpoint_saver import CheckpointSaver
+from .fsdp import (
+    local_shards_as_dtensors,
+    main_params_as_dtensors,
+    model_sharded_state_dict,
+    shard_loaded_states,
+)
 from .logging import append_progress, print_rank_0
 from .trust import check_checkpoint_files, check_extra_states
 
@@ -227,7 +233,7 @@ def _plain(value, what: str):
 
 def _sharded_state_dict(model, optimizer, scheduler, is_loading, with_optimizer=True,
                         rng_states=None, common=None):
-    model_sd = model.module.sharded_state_dict()
+    model_sd = model_sharded_state_dict(model)
     state = {"model": model_sd, **(common or {})}
     if with_optimizer:
         state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
@@ -627,9 +633,12 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
     _check_missing(path, missing)
     check_extra_states(path, loaded["model"])
     gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
-    _check_missing(path, gpt.load_state_dict(loaded["model"], strict=False).missing_keys)
+    weights = local_shards_as_dtensors(gpt, loaded["model"])
+    _check_missing(path, gpt.load_state_dict(weights, strict=False).missing_keys)
     if with_optimizer:
+        main_params_as_dtensors(optimizer, loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
+        shard_loaded_states(optimizer)
         _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
     if rng_states is not None:
         _set_rng_tensors({name: tensor[0] for name, tensor in loaded["rng_state"].items()})

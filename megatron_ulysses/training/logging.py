@@ -16,10 +16,9 @@ import time
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.timers import Timers
-from megatron.core.transformer.module import param_is_not_shared
 
+from .fsdp import sum_over_shards
 from .writers import ScalarWriters
 
 
@@ -94,10 +93,10 @@ def timers_to_log(level: int):
 @torch.no_grad()
 def params_l2_norm(model) -> float:
     """L2 norm of all parameters, each counted once: TP-sharded ones summed over TP x PP,
-    shared and TP-duplicated ones once (DP x SP replicas are equal, so not summed over)."""
-    counted = [param.detach().double().pow(2).sum() for param in model.parameters()
-               if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param)]
-    squares = torch.stack(counted).sum().reshape(1).cpu()  # one device sync
+    shared and TP-duplicated ones once (DP x SP replicas are equal, so not summed over; FSDP's
+    shards are)."""
+    squares = sum_over_shards([(param, param.detach()) for param in model.parameters()],
+                              lambda shard: shard.double().pow(2).sum()).cpu()  # one sync
     if dist.is_initialized():
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
     return math.sqrt(squares.item())

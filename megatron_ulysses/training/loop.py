@@ -20,6 +20,7 @@ from .checkpoint_saver import CheckpointSaver
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
+from .fsdp import log_rank_bytes, sharding_strategy
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
 from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
@@ -136,7 +137,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                                                             job_start))
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
-    saved = True
+    saved, start = True, iteration
     while iteration < training.train_iters:
         hooks.before_step(iteration)
         batch = global_batch_size_at(consumed, training.batch_size_schedule,
@@ -152,6 +153,8 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                              optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
                              global_batch_size=batch)
         hooks.after_step(iteration, model)
+        if iteration == start + 1 and sharding_strategy(config.performance):
+            log_rank_bytes(model, optimizer, sharding_strategy(config.performance))
         if valid_batches is not None and iteration % training.eval_interval == 0:
             _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
         reason = exit_request.reason()

@@ -13,6 +13,7 @@ from megatron.core.activations import squared_relu
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
+    TorchFullyShardedDataParallelConfig,
     finalize_model_grads,
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -27,6 +28,7 @@ from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config.performance import ddp_kwargs, transformer_kwargs
+from .fsdp import UlyssesTorchFSDP2
 from .optimizer import build_optimizer
 
 
@@ -69,6 +71,8 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         num_layers_in_last_pipeline_stage=model.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=model.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=model.account_for_loss_in_pipeline_split,
+        # read by megatron-core's FSDP2 wrapper: local layers' linears are not FSDP units
+        transformer_impl=model.transformer_impl,
         tensor_model_parallel_size=dims.tp,
         pipeline_model_parallel_size=dims.pp,
         sequence_parallel=model.sequence_parallel,
@@ -155,14 +159,22 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
 
 
 def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: TransformerConfig,
-               performance: PerformanceConfig = PerformanceConfig()) -> DistributedDataParallel:
+               performance: PerformanceConfig = PerformanceConfig()):
     """`gpt` as Megatron-LM's get_model wraps it: `Float16Module` for bf16/fp16 (half-precision
-    weights, fp32 logits out), megatron-core DDP (an fp32 grad buffer unless
-    --grad-reduce-in-bf16)."""
+    weights, fp32 logits out), then megatron-core DDP (an fp32 grad buffer unless
+    --grad-reduce-in-bf16), or its FSDP2 / Megatron-FSDP wrapper (`fsdp.py`)."""
     if model.bf16 or model.fp16:
         gpt = Float16Module(config, gpt)
-    ddp_config = DistributedDataParallelConfig(**ddp_config_kwargs(optimizer, performance))
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
+    kwargs = ddp_config_kwargs(optimizer, performance)
+    if performance.use_torch_fsdp2:
+        return UlyssesTorchFSDP2(config, TorchFullyShardedDataParallelConfig(**kwargs), gpt)
+    if performance.use_megatron_fsdp:  # imported here: its import is slow, and GPU only
+        from megatron.core.distributed import FullyShardedDataParallel
+
+        return FullyShardedDataParallel(config=config, module=gpt,
+                                        ddp_config=DistributedDataParallelConfig(**kwargs))
+    return DistributedDataParallel(config=config, module=gpt,
+                                   ddp_config=DistributedDataParallelConfig(**kwargs))
 
 
 def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig) -> dict:

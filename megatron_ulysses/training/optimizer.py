@@ -15,10 +15,11 @@ from megatron.core.dist_checkpointing.optimizer import (
     get_param_id_to_sharded_param_map,
     optim_state_to_sharding_state,
 )
-from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-from megatron.core.transformer.module import param_is_not_shared
+from megatron.core.utils import to_local_if_dtensor
+from torch.distributed.tensor import DTensor
 
 from .config.performance import PerformanceConfig, optimizer_kwargs
+from .fsdp import local_grad, sum_over_shards
 
 
 def mcore_optimizer_config(config, model_config):
@@ -49,7 +50,8 @@ def param_groups(model, mcore_config):
 
 
 class CpuAdamW:
-    """AdamW over `param.main_grad` with megatron-core's `step() -> (ok, grad_norm, zeros)`."""
+    """AdamW over `param.main_grad` (DDP) or FSDP2's sharded `param.grad`, with megatron-core's
+    `step() -> (ok, grad_norm, zeros)`."""
 
     def __init__(self, model, config, groups, log_num_zeros_in_grad: bool = False):
         """`config`: an `OptimizerConfig`; `groups`: `param_groups`; `log_num_zeros_in_grad`:
@@ -75,29 +77,27 @@ class CpuAdamW:
         for param in self.get_parameters():
             param.grad = None
 
+    def _over_grads(self, per_grad) -> torch.Tensor:
+        """Σ `per_grad(local gradient)` over all gradients, each counted once."""
+        params = self.get_parameters()
+        total = sum_over_shards([(p, local_grad(p)) for p in params], per_grad)
+        dist.all_reduce(total, group=mpu.get_model_parallel_group())
+        return total
+
     def grad_norm(self) -> float:
-        """L2 norm of all gradients, each counted once over TP x PP."""
-        squares = torch.zeros(1, dtype=torch.float64)
-        for param in self.get_parameters():
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                squares += param.main_grad.double().pow(2).sum()
-        dist.all_reduce(squares, group=mpu.get_model_parallel_group())
-        return math.sqrt(squares.item())
+        """L2 norm of all gradients."""
+        return math.sqrt(self._over_grads(lambda g: g.double().pow(2).sum()).item())
 
     def count_zeros(self) -> int:
-        """Zero entries of all gradients, each parameter counted once over TP x PP
-        (megatron-core's `count_zeros_fp32`, which allocates on CUDA)."""
-        zeros = torch.zeros(1, dtype=torch.int64)
-        for param in self.get_parameters():
-            if param_is_not_shared(param) and param_is_not_tensor_parallel_duplicate(param):
-                zeros += param.grad.numel() - torch.count_nonzero(param.grad)
-        dist.all_reduce(zeros, group=mpu.get_model_parallel_group())
-        return int(zeros.item())
+        """Zero entries of all gradients (megatron-core's `count_zeros_fp32`, which allocates
+        on CUDA)."""
+        return int(self._over_grads(lambda g: g.numel() - torch.count_nonzero(g)).item())
 
     @torch.no_grad()
     def step(self):
         for param in self.get_parameters():
-            param.grad = param.main_grad.to(param.dtype)
+            if hasattr(param, "main_grad"):  # DDP's buffer; FSDP2 reduces into `grad`
+                param.grad = param.main_grad.to(param.dtype)
         norm = self.grad_norm()
         if self.clip_grad > 0 and norm > self.clip_grad:
             coefficient = self.clip_grad / (norm + 1e-6)
@@ -121,8 +121,12 @@ class CpuAdamW:
         if is_loading:
             self._init_state()
         state_dict = self.optimizer.state_dict()
-        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict,
-                                                   self.get_parameters())
+        # FSDP2: the local shards (new dicts: state_dict() shares the live ones)
+        state_dict["state"] = {index: {k: to_local_if_dtensor(v) for k, v in state.items()}
+                               for index, state in state_dict["state"].items()}
+        # megatron-core's sharded state dict holds FSDP2's local shards, not the DTensors
+        id_map = get_param_id_to_sharded_param_map(model_sharded_state_dict, [
+            p._local_tensor if isinstance(p, DTensor) else p for p in self.get_parameters()])
         steps = {float(s["step"]) for s in state_dict["state"].values() if "step" in s}
         assert len(steps) <= 1, f"parameters at different Adam steps: {steps}"
         optim_state_to_sharding_state(state_dict, id_map, exclude_keys="step")

@@ -17,6 +17,7 @@ from megatron.core.distributed import finalize_model_grads
 from .. import cpu_compat
 from ..loss import global_mean, loss_func, masked_sum
 from .config import TrainingConfig
+from .fsdp import local_grad
 
 
 def _per_token_loss(model, batch):
@@ -94,8 +95,9 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool, check_loss: boo
     `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN (`check_loss`: not with
     --rerun-mode disabled, as Megatron-LM's rerun machine then skips it) or (`check_grads`: no
     loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
-    grads = [(name, param.main_grad) for name, param in model.named_parameters()
+    grads = [(name, local_grad(param)) for name, param in model.named_parameters()
              if check_grads and param.requires_grad]
+    grads = [(name, grad) for name, grad in grads if grad is not None]  # Megatron-FSDP: buffers
     nan_loss = torch.isnan(totals[0]) & check_loss
     finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]
                          + [~nan_loss])  # on the device: one sync, below

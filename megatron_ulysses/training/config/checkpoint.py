@@ -122,7 +122,9 @@ def validate(args, ctx: Context) -> None:
             "--non-persistent-save-interval: non-persistent (local / global) checkpoints are "
             "not supported; use --save-interval")
     require(args.ckpt_format != "fsdp_dtensor", "--ckpt-format fsdp_dtensor: Megatron FSDP's "
-            "checkpoint format is not written here; use --ckpt-format torch_dist (the default)")
+            "checkpoint format is not written here; use --ckpt-format torch_dist (the default; "
+            "--use-megatron-fsdp runs without --save / --load, --use-torch-fsdp2 saves "
+            "torch_dist)")
     if args.ckpt_format in ("torch", "torch_dcp"):
         ctx.warnings.append(f"--ckpt-format {args.ckpt_format}: checkpoints are written as "
                             "torch_dist (megatron-core dist_checkpointing; Megatron-LM loads it)")

@@ -10,12 +10,16 @@ piece and with Megatron-LM's meaning and rules.
 FP8 runs inside each rank's layers: the Ulysses all-to-alls move q/k/v and the attention output
 in the activation dtype (bf16/fp16), and `--fp8-dot-product-attention` makes the attention
 between the two all-to-alls FP8 (TE's kernel, so only --ulysses-attention-backend te).
-Megatron FSDP, torch FSDP2, TP comm overlap (userbuffers) and CUDA graphs are accepted and
-validated as Megatron-LM validates them, then refused in one message: they are not wired into
-this package's model build. Every flag here needs CUDA: on CPU one message names those given.
+Sharded data parallelism (`training/fsdp.py`): --use-torch-fsdp2 (megatron-core's FSDP2 wrapper,
+CPU and GPU) and --use-megatron-fsdp with --data-parallel-sharding-strategy (GPU), both sharding
+over DP x SP, with Megatron-LM's rules; Megatron-FSDP's buffer options and TP comm overlap
+(userbuffers) and CUDA graphs are validated as Megatron-LM validates them, then refused in one
+message: they are not wired into this package's model build. Every flag here but
+--use-torch-fsdp2 needs CUDA: on CPU one message names those given.
 """
 
 import importlib.util
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -36,9 +40,11 @@ _FP8_FLAGS = (
 )
 _FSDP_FLAGS = (
     ("--use-megatron-fsdp", "use_megatron_fsdp", False),
-    ("--use-torch-fsdp2", "use_torch_fsdp2", False),
     ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy",
      "optim_grads_params"),
+)
+# Megatron-FSDP's buffer, dtype and initialization options: validated, then refused.
+_FSDP_OPTIONS = (
     ("--init-model-with-meta-device", "init_model_with_meta_device", False),
     ("--use-nccl-ub", "nccl_ub", False), ("--fsdp-double-buffer", "fsdp_double_buffer", False),
     ("--fsdp-manual-registration", "fsdp_manual_registration", False),
@@ -83,6 +89,9 @@ class PerformanceConfig:
     optimizer_offload_fraction: float = 1.0
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
+    use_torch_fsdp2: bool = False
+    use_megatron_fsdp: bool = False
+    data_parallel_sharding_strategy: str = "optim_grads_params"  # with --use-megatron-fsdp
 
 
 def transformer_kwargs(perf: PerformanceConfig) -> dict:
@@ -100,10 +109,14 @@ def transformer_kwargs(perf: PerformanceConfig) -> dict:
 def ddp_kwargs(perf: PerformanceConfig) -> dict:
     """DistributedDataParallelConfig's fields, as Megatron-LM's get_megatron_ddp_config sets
     them: grads accumulate and reduce in fp32 unless --grad-reduce-in-bf16."""
-    return dict(grad_reduce_in_fp32=not perf.grad_reduce_in_bf16,
-                overlap_param_gather=perf.overlap_param_gather,
-                num_distributed_optimizer_instances=perf.num_distributed_optimizer_instances,
-                fp8_param_gather=perf.fp8_param_gather)
+    kwargs = dict(grad_reduce_in_fp32=not perf.grad_reduce_in_bf16,
+                  overlap_param_gather=perf.overlap_param_gather,
+                  num_distributed_optimizer_instances=perf.num_distributed_optimizer_instances,
+                  fp8_param_gather=perf.fp8_param_gather)
+    if perf.use_megatron_fsdp:
+        kwargs.update(use_megatron_fsdp=True,
+                      data_parallel_sharding_strategy=perf.data_parallel_sharding_strategy)
+    return kwargs
 
 
 def optimizer_kwargs(perf: PerformanceConfig) -> dict:
@@ -171,11 +184,19 @@ def add_arguments(parser) -> None:
 
 
 def _add_fsdp_arguments(g) -> None:
-    """Megatron FSDP and torch FSDP2: validated as Megatron-LM does, then refused."""
-    g.add_argument("--use-megatron-fsdp", action="store_true", help="not wired yet (refused)")
-    g.add_argument("--use-torch-fsdp2", action="store_true", help="not wired yet (refused)")
+    """Megatron FSDP and torch FSDP2 (Megatron-LM's flags); Megatron-FSDP's buffer options are
+    validated as Megatron-LM does, then refused."""
+    g.add_argument("--use-megatron-fsdp", action="store_true",
+                   help="megatron-core's Megatron-FSDP over DP x SP, with its distributed "
+                   "optimizer (GPU; no checkpoints: its fsdp_dtensor format is not written here)")
+    g.add_argument("--use-torch-fsdp2", action="store_true",
+                   help="megatron-core's torch FSDP2 wrapper over DP x SP: parameters, gradients "
+                   "and Adam moments sharded (CPU and GPU; torch_dist checkpoints)")
     g.add_argument("--data-parallel-sharding-strategy", choices=_SHARDING,
-                   default="optim_grads_params", help="with --use-megatron-fsdp")
+                   default="optim_grads_params",
+                   help="with --use-megatron-fsdp: what is sharded over DP x SP: no_shard "
+                   "(nothing), optim (optimizer state), optim_grads (+ gradients), "
+                   "optim_grads_params (+ parameters)")
     g.add_argument("--init-model-with-meta-device", action="store_true",
                    help="with --use-megatron-fsdp")
     g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
@@ -204,14 +225,19 @@ def given_flags(args, table) -> list:
 
 
 def validate(args, ctx: Context) -> None:
-    """On CPU one message for all the flags given; on GPU Megatron-LM's rules, then the features
-    not wired here refused."""
-    given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _OTHER_FLAGS)
+    """Torch FSDP2's rules; on CPU one message for all the other flags given; on GPU
+    Megatron-LM's rules, then the features not wired here refused."""
+    _check_torch_fsdp2(args, ctx)
+    given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
     if not ctx.cuda:
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
                 "CUDA (GPU performance features of megatron-core and Transformer Engine); "
                 "CPU runs do without: drop " + ("it" if len(given) == 1 else "them"))
         return
+    if args.use_megatron_fsdp and not args.use_distributed_optimizer:  # as Megatron-LM does
+        ctx.warnings.append("--use-megatron-fsdp runs megatron-core's distributed optimizer "
+                            "over its buffers: --use-distributed-optimizer is on")
+        args.use_distributed_optimizer = True
     _check_fp8(args)
     _check_ddp(args, ctx)
     _check_optimizer(args)
@@ -228,7 +254,7 @@ def validate(args, ctx: Context) -> None:
         "--defer-embedding-wgrad-compute needs gradient-accumulation fusion (apex's "
         "fused_weight_gradient_mlp_cuda, without --no-gradient-accumulation-fusion)")
     _check_tp_comm_overlap(args, ctx)
-    _check_fsdp(args)
+    _check_megatron_fsdp(args, ctx)
     require(args.cuda_graph_impl == "none",
             f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not wired into "
             "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
@@ -341,25 +367,62 @@ def _check_tp_comm_overlap(args, ctx: Context) -> None:
                     "initialized for the Ulysses-local sequence")
 
 
-def _check_fsdp(args) -> None:
-    """Megatron-LM's FSDP rules, then one refusal naming the flags given."""
-    given = given_flags(args, _FSDP_FLAGS)
-    if not given:
+def _check_torch_fsdp2(args, ctx: Context) -> None:
+    """Megatron-LM's rules for --use-torch-fsdp2, and what it does not take here."""
+    if not args.use_torch_fsdp2:
         return
-    if args.use_torch_fsdp2:
-        require(not args.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp are "
-                "exclusive; give one")
-        require(not args.use_distributed_optimizer, "--use-torch-fsdp2 is not supported with "
-                "megatron-core's distributed optimizer: drop --use-distributed-optimizer")
+    require(not args.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp are "
+            "exclusive; give one")
+    require(not args.use_distributed_optimizer, "--use-torch-fsdp2 shards the optimizer state "
+            "itself: drop --use-distributed-optimizer (megatron-core's distributed optimizer "
+            "does not take FSDP2's parameters)")
+    require(ctx.dims.pp == 1, "--use-torch-fsdp2 is not supported with pipeline parallelism "
+            f"(--pipeline-model-parallel-size {ctx.dims.pp}); use 1")
+    require(args.untie_embeddings_and_output_weights, "--use-torch-fsdp2 needs "
+            "--untie-embeddings-and-output-weights (as in Megatron-LM: a tied weight would be "
+            "sharded by two FSDP units)")
+    shards = ctx.dims.dp * ctx.dims.sp
+    require(not (args.swiglu and ctx.dims.tp > 1 and shards % 2 and shards > 1),
+            "--use-torch-fsdp2 with "
+            f"--swiglu and --tensor-model-parallel-size {ctx.dims.tp} needs an even data parallel "
+            f"x --ulysses-sp-size (it is {shards}): an FSDP2 shard of a TP rank's fused "
+            "[gate; up] rows must lie in one half to be checkpointed")
+    # TE's and apex's fused wgrad accumulation write DDP's main_grad, which FSDP2 has not.
+    require(not (ctx.cuda and not args.no_gradient_accumulation_fusion and
+                 importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+            "--use-torch-fsdp2 is not supported with gradient-accumulation fusion (as in "
+            "Megatron-LM): add --no-gradient-accumulation-fusion")
+    others = given_flags(args, _FSDP_FLAGS[1:] + _FSDP_OPTIONS)
+    require(not others, f"{', '.join(others)}: Megatron-FSDP's options; --use-torch-fsdp2 "
+            "always shards parameters, gradients and optimizer state: drop them")
+
+
+def _check_megatron_fsdp(args, ctx: Context) -> None:
+    """Megatron-LM's rules for --use-megatron-fsdp; its buffer options are refused."""
+    given = given_flags(args, _FSDP_OPTIONS)
     if args.use_megatron_fsdp and args.init_model_with_meta_device:
         require(args.data_parallel_sharding_strategy != "no_shard",
                 "--init-model-with-meta-device is not supported with "
                 "--data-parallel-sharding-strategy no_shard")
     require(not args.fsdp_manual_registration or (args.use_megatron_fsdp and args.nccl_ub),
             "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub")
-    raise_not_wired(", ".join(given), "FSDP is not wired into megatron_ulysses' model and "
-                    "optimizer build yet; shard the optimizer state over DP x SP with "
-                    "--use-distributed-optimizer instead")
+    if given:
+        raise_not_wired(", ".join(given), "Megatron-FSDP's meta-device initialization, NCCL "
+                        "user buffers, double buffer, dtypes and outer (HSDP) sharding are not "
+                        "wired into megatron_ulysses' model build; drop them")
+    if not args.use_megatron_fsdp:
+        require(args.data_parallel_sharding_strategy == "optim_grads_params",
+                f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} "
+                "needs --use-megatron-fsdp")
+        return
+    require(ctx.dims.pp == 1, "--use-megatron-fsdp is not wired with pipeline parallelism "
+            f"here (--pipeline-model-parallel-size {ctx.dims.pp}); use 1")
+    require(os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") != "1", "--use-megatron-fsdp "
+            "needs CUDA_DEVICE_MAX_CONNECTIONS unset or > 1 (as in Megatron-LM); it is 1")
+    require(args.save is None and args.load is None, "--use-megatron-fsdp: Megatron-FSDP "
+            "saves only in its fsdp_dtensor checkpoint format, which megatron_ulysses does not "
+            "write or read; drop --save / --load, or use --use-torch-fsdp2 (torch_dist "
+            "checkpoints, resumable at another DP x SP)")
 
 
 def raise_not_wired(flags: str, why: str) -> None:
