@@ -105,7 +105,8 @@ def test_accepted_flags_reach_megatron_cores_configs():
 
 def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     config = on_gpu(["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
-                     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5"])
+                     "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
+                     "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-grads"])
     # its check of the precision-aware optimizer asks TE's version (not installed here)
     with mock.patch("megatron.core.optimizer.optimizer_config.is_te_min_version",
                     return_value=True):
@@ -115,6 +116,9 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
             **optimizer_kwargs(config.performance))
     assert (optimizer.use_precision_aware_optimizer, optimizer.optimizer_cpu_offload,
             optimizer.optimizer_offload_fraction, optimizer.fp8_recipe) == (True, True, 0.5, None)
+    assert (optimizer.overlap_cpu_optimizer_d2h_h2d, optimizer.pin_cpu_grads,
+            optimizer.pin_cpu_params, optimizer.use_torch_optimizer_for_cpu_offload) == \
+        (True, False, True, False)
 
 
 @pytest.mark.parametrize("argv, world_size, match", [
@@ -143,6 +147,8 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     (["--bf16", "--use-distributed-optimizer", "--optimizer-cpu-offload"], 1,
      "--optimizer-cpu-offload needs --use-precision-aware-optimizer"),
     (["--bf16", "--optimizer-offload-fraction", "0.5"], 1, "needs --optimizer-cpu-offload"),
+    (["--bf16", "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-params"], 1,
+     "--overlap-cpu-optimizer-d2h-h2d, --no-pin-cpu-params need --optimizer-cpu-offload"),
     (["--bf16", "--tp-comm-overlap"], 1, "needs --tensor-model-parallel-size > 1 and "
      "--sequence-parallel"),
     (["--bf16", "--tp-comm-overlap", "--tensor-model-parallel-size", "2",

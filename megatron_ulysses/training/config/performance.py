@@ -53,6 +53,14 @@ _FSDP_OPTIONS = (
     ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
     ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
 )
+# megatron-core's HybridDeviceOptimizer options: meaningful with --optimizer-cpu-offload only
+_OFFLOAD_OPTIONS = (
+    ("--optimizer-offload-fraction", "optimizer_offload_fraction", 1.0),
+    ("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", False),
+    ("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", False),
+    ("--no-pin-cpu-grads", "pin_cpu_grads", True),
+    ("--no-pin-cpu-params", "pin_cpu_params", True),
+)
 _OTHER_FLAGS = (
     ("--overlap-param-gather", "overlap_param_gather", False),
     ("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step",
@@ -61,7 +69,7 @@ _OTHER_FLAGS = (
     ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances", 1),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
     ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
-    ("--optimizer-offload-fraction", "optimizer_offload_fraction", 1.0),
+    *_OFFLOAD_OPTIONS,
     ("--tp-comm-overlap", "tp_comm_overlap", False),
     ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None),
     ("--cuda-graph-impl", "cuda_graph_impl", "none"),
@@ -87,6 +95,10 @@ class PerformanceConfig:
     use_precision_aware_optimizer: bool = False
     optimizer_cpu_offload: bool = False
     optimizer_offload_fraction: float = 1.0
+    overlap_cpu_optimizer_d2h_h2d: bool = False
+    use_torch_optimizer_for_cpu_offload: bool = False
+    pin_cpu_grads: bool = True
+    pin_cpu_params: bool = True
     defer_embedding_wgrad_compute: bool = False
     wgrad_deferral_limit: int = 0
     use_torch_fsdp2: bool = False
@@ -125,6 +137,9 @@ def optimizer_kwargs(perf: PerformanceConfig) -> dict:
                 use_precision_aware_optimizer=perf.use_precision_aware_optimizer,
                 optimizer_cpu_offload=perf.optimizer_cpu_offload,
                 optimizer_offload_fraction=perf.optimizer_offload_fraction,
+                overlap_cpu_optimizer_d2h_h2d=perf.overlap_cpu_optimizer_d2h_h2d,
+                use_torch_optimizer_for_cpu_offload=perf.use_torch_optimizer_for_cpu_offload,
+                pin_cpu_grads=perf.pin_cpu_grads, pin_cpu_params=perf.pin_cpu_params,
                 fp8_recipe=perf.fp8_recipe if perf.fp8 else None)
 
 
@@ -168,6 +183,15 @@ def add_arguments(parser) -> None:
                    "HybridDeviceOptimizer; needs --use-precision-aware-optimizer)")
     g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
                    help="with --optimizer-cpu-offload: the fraction of states on the CPU")
+    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
+                   help="with --optimizer-cpu-offload: overlap the CPU optimizer step with the "
+                   "gradients' device-to-host and the parameters' host-to-device copies")
+    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
+                   help="with --optimizer-cpu-offload: torch's AdamW on the GPU share too")
+    g.add_argument("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false",
+                   help="with --optimizer-cpu-offload: pageable host gradient copies")
+    g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
+                   help="with --optimizer-cpu-offload: pageable host parameter copies")
     g.add_argument("--tp-comm-overlap", action="store_true",
                    help="TE userbuffers TP overlap: validated, not wired yet (refused)")
     g.add_argument("--tp-comm-overlap-cfg", default=None,
@@ -348,8 +372,9 @@ def _check_optimizer(args) -> None:
         require(not args.fp8_param_gather or args.fp8_recipe == "delayed",
                 "--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed")
     else:
-        require(args.optimizer_offload_fraction == 1.0,
-                "--optimizer-offload-fraction needs --optimizer-cpu-offload")
+        given = given_flags(args, _OFFLOAD_OPTIONS)
+        require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
+                "--optimizer-cpu-offload")
 
 
 def _check_tp_comm_overlap(args, ctx: Context) -> None:
