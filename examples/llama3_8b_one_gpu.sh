@@ -4,7 +4,8 @@
 #   --optimizer-cpu-offload --optimizer-offload-fraction F  megatron-core's HybridDeviceOptimizer
 #       keeps the fp32 master weights and Adam moments of F of the parameters in host memory (it
 #       steps them with torch's AdamW on the CPU); it needs --use-distributed-optimizer and
-#       --use-precision-aware-optimizer (Megatron-LM's rules; the latter needs Transformer Engine)
+#       --use-precision-aware-optimizer (Megatron-LM's rules; the latter needs Transformer Engine);
+#       --overlap-cpu-optimizer-d2h-h2d overlaps that step with its host <-> device copies
 #   full recompute (uniform, 1 layer)   keeps one [s, h] checkpoint per layer;
 #   --offload-activations               moves those checkpoints to pinned host memory;
 #   --tiled-mlp-shards auto             never holds the [s, ffn] MLP intermediate whole;
@@ -52,7 +53,7 @@ echo "s = $SEQ_LENGTH, --optimizer-offload-fraction $OFFLOAD_FRACTION; logging t
 torchrun --standalone --nproc-per-node 1 pretrain_gpt.py \
     "${MODEL_ARGS[@]}" "${SP_ARGS[@]}" "${OPTIM_ARGS[@]}" "${RECOMPUTE_ARGS[@]}" \
     --use-precision-aware-optimizer --optimizer-cpu-offload \
-    --optimizer-offload-fraction "$OFFLOAD_FRACTION" \
+    --optimizer-offload-fraction "$OFFLOAD_FRACTION" --overlap-cpu-optimizer-d2h-h2d \
     --offload-activations --tiled-mlp-shards auto --tiled-loss-shards auto \
     "${TOKENIZER_ARGS[@]}" "${DATA_ARGS[@]}" \
     --eval-iters 0 --log-interval 1 "$@" 2>&1 | tee -a "$LOG_FILE"
