@@ -22,6 +22,9 @@ setup(
     ],
     extras_require={
         "te": ["transformer-engine[pytorch]"],
+        # --ulysses-attention-backend flash (FlashAttention-4, Hopper / Blackwell); with a CUDA 13
+        # torch, pip install 'flash-attn-4[cu13]==4.0.0b36' for the CuTe DSL's CUDA 13 libraries
+        "flash": ["flash-attn-4==4.0.0b36"],
         "deepspeed": ["deepspeed"],
         "hf": ["transformers>=4.45", "safetensors"],  # Hugging Face import / export
         "tiktoken": ["tiktoken"],  # --tokenizer-type TikTokenizer

@@ -2,7 +2,7 @@
 
 Both sides share one module: `attn` (UlyssesAttention over a size-1 SP group) and
 `attn.backend_attention` (the backend it wraps), so the ratio is the wrapper's own cost. Each
-backend (TE, SDPA) runs at every length, rounds interleaved (wrapped, direct, wrapped, ...), and
+backend (TE, SDPA, FlashAttention-4 where flash-attn-4 imports) runs at every length, rounds interleaved (wrapped, direct, wrapped, ...), and
 the median iteration of each side gives TFLOP/s; ratio = direct time / wrapped time (goal >= 0.99).
 The modules' TransformerConfig is the trainer's (`training/model.py`) of one layer of this shape,
 parsed from Megatron-LM flags by `harness.run_config`.
@@ -263,15 +263,27 @@ def uneven_rows(args, backends) -> list:
     return rows
 
 
+def usable_backends(text: str) -> list:
+    """The comma-separated backends that can run here: te with TE and CUDA, flash with
+    flash-attn-4 and CUDA (each left out with a line saying so)."""
+    from megatron_ulysses.backends import flash_import_error, te_available
+
+    cuda = torch.cuda.is_available()
+    missing = {"te": not (te_available() and cuda),
+               "flash": not cuda or flash_import_error() is not None}
+    for name in text.split(","):
+        if missing.get(name):
+            print(f"backend {name}: left out (not installed here, or no CUDA)", flush=True)
+    return [name for name in text.split(",") if not missing.get(name)]
+
+
 def main_uneven(args):
-    from megatron_ulysses.backends import te_available
     from megatron_ulysses.training.loop import initialize_distributed
 
     initialize_distributed(harness.run_config(harness.Shape(
         hidden=8 * args.head_dim, layers=1, heads=8, kv_heads=8, ffn=32 * args.head_dim,
         vocab=128), 64, "sdpa"))
-    backends = [b for b in args.backends.split(",")
-                if b != "te" or (te_available() and torch.cuda.is_available())]
+    backends = usable_backends(args.backends)
     results = {"versions": harness.versions(), "args": vars(args)}
     results["uneven_rows"] = uneven_rows(args, backends)
     harness.write_json(args.json, results)
@@ -290,7 +302,8 @@ def main():
     parser.add_argument("--heads", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--backends", default="te,sdpa")
+    parser.add_argument("--backends", default="te,sdpa,flash",
+                        help="of te, sdpa, local, flash; those not installed are left out")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
@@ -318,7 +331,7 @@ def main():
     config = transformer_config(run.model, run.dims)
 
     results = {"versions": harness.versions(), "args": vars(args), "rows": [], "checks": {}}
-    backends = [b for b in args.backends.split(",") if b != "te" or te_available()]
+    backends = usable_backends(args.backends)
     if "te" in backends:
         try:
             results["checks"] = check_te(config)

@@ -27,12 +27,16 @@ Variants (keys for --variants / --skip; flags added to the base flags):
                      the variant + FP8 GEMMs (`harness.FP8`: hybrid format, delayed scaling,
                      amax history 1024 / max, as Megatron-LM's Llama-3 8B H100 FP8 example);
                      attention stays bf16 (TE 2.20.2 has no FP8 attention kernel for it)
+    ours-flash, ours-mlp-flash, ours-flash-fp8
+                     ours / ours-mlp / ours-fp8 + --ulysses-attention-backend flash
+                     (FlashAttention-4, in TE's layers; needs flash-attn-4: device command below)
 
 Default --skip (DEFAULT_PLAN): each side's candidates for best at each s, as measured on
 2026-12-04/06, in bf16 and FP8 (the bf16 plan alone took about 9 minutes of H200 for all
 three s: run 8K + 32K and 128K as two device calls). Left out: at 8K and 32K every recompute and TiledMLP variant (everything fits without; they only cost: section 3 of
 bench/RESULTS.md), at 128K the variants without recompute (OOM) and the slower full-recompute
-ones of ours. `--skip ""` runs everything.
+ones of ours; the flash variants (FlashAttention-4, 1.2-1.4x cuDNN's attention alone on the
+H100: bench/RESULTS.md) run at every s, bf16, and with FP8 at 8K. `--skip ""` runs everything.
 
 MFU = model FLOPs per step (harness.model_flops x micro batches; recompute not counted) / median
 step seconds / 989 TFLOP/s (the dense bf16 peak, for FP8 too, so FP8's MFU reads as its speed-up).
@@ -41,6 +45,8 @@ The JSON is rewritten after every row (a run cut short keeps its rows and summar
 
 Command (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/mfu.py --warmup 1 --iters 2 --json $OUT/mfu.json
+The flash variants need flash-attn-4 (bench/prepare_flash4.sh's carry folders; without it their
+rows record the ConfigError): `. .te6/install_te.sh && . .fa2/install_fa4.sh && ...` first.
 CPU smoke test (tests/test_bench_smoke.py):
     python3 bench/mfu.py --preset tiny --backend local --seqs 64 --tokens-per-step 128 \
         --variants stock,ours --iters 1
@@ -54,11 +60,13 @@ import harness
 from megatron_ulysses.backends import resolve_backend
 from megatron_ulysses.training.loop import initialize_distributed
 
+FLASH = ("--ulysses-attention-backend", "flash")
 VARIANTS = {  # key: (label, flags); a label starts with its side
     "stock": ("stock", ()),
     "stock-full": ("stock + full recompute", harness.FULL_RECOMPUTE),
     "ours": ("ours", ()),
     "ours-sdpa": ("ours + SDPA attention", ("--ulysses-attention-backend", "sdpa")),
+    "ours-flash": ("ours + FlashAttention-4", FLASH),
     "ours-tiled": ("ours + TiledMLP + tiled loss", harness.TILED_MLP + harness.TILED_LOSS),
     "ours-selective": ("ours + selective recompute", harness.SELECTIVE_RECOMPUTE),
     "ours-mlp": ("ours + selective recompute (mlp) + tiled loss",
@@ -73,11 +81,16 @@ VARIANTS = {  # key: (label, flags); a label starts with its side
     "ours-mlp-fp8": ("ours + selective recompute (mlp) + tiled loss + FP8",
                      harness.SELECTIVE_RECOMPUTE + ("--recompute-modules", "mlp")
                      + harness.TILED_LOSS + harness.FP8),
+    "ours-mlp-flash": ("ours + selective recompute (mlp) + tiled loss + FlashAttention-4",
+                       harness.SELECTIVE_RECOMPUTE + ("--recompute-modules", "mlp")
+                       + harness.TILED_LOSS + FLASH),
+    "ours-flash-fp8": ("ours + FlashAttention-4 + FP8", FLASH + harness.FP8),
 }
 # What runs by default (the rest is --skip'ped): each side's candidates for best at each s.
-DEFAULT_PLAN = {8192: ("stock", "ours", "stock-fp8", "ours-fp8"),
-                32768: ("stock", "ours", "stock-fp8", "ours-fp8"),
-                131072: ("stock-full", "ours-mlp", "stock-full-fp8", "ours-mlp-fp8")}
+DEFAULT_PLAN = {8192: ("stock", "ours", "stock-fp8", "ours-fp8", "ours-flash", "ours-flash-fp8"),
+                32768: ("stock", "ours", "stock-fp8", "ours-fp8", "ours-flash"),
+                131072: ("stock-full", "ours-mlp", "stock-full-fp8", "ours-mlp-fp8",
+                         "ours-mlp-flash")}
 DEFAULT_SKIP = ",".join(f"{seq}:{key}" for seq, keys in DEFAULT_PLAN.items() for key in VARIANTS
                         if key not in keys)
 

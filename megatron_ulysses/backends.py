@@ -11,6 +11,9 @@ rank now holds all `s` tokens) bounds the documents and attention never crosses 
     sdpa   torch scaled_dot_product_attention (native GQA, enable_gqa=True; packed documents run
            one causal call per document)
     local  megatron-core's DotProductAttention (unfused reference; packed documents as a mask)
+    flash  FlashAttention-4 (flash-attn-4's flash_attn.cute, CuTe-DSL kernels for Hopper and
+           Blackwell; native GQA; packed documents through its varlen entry); bf16 / fp16 and
+           no dropout: the model config section refuses the rest, naming the flag
 
 Attention dropout draws from the stream in place: UlyssesAttention calls the backends under the
 RNG tracker's model-parallel-rng, seeded per head group (`megatron_ulysses.rng`), or, under
@@ -20,6 +23,7 @@ not again inside the block (activation recompute would not replay a nested fork'
 """
 
 import copy
+import functools
 import importlib.util
 
 import torch
@@ -28,7 +32,9 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-BACKENDS = ("te", "sdpa", "local")
+BACKENDS = ("te", "sdpa", "local", "flash")
+# The flash-attn-4 release the flash backend is measured and tested with (bench/RESULTS.md).
+FLASH_ATTN_4 = "flash-attn-4==4.0.0b36"
 
 # scaled_dot_product_attention takes enable_gqa from torch 2.5 on.
 _SDPA_HAS_GQA = torch.torch_version.TorchVersion(torch.__version__) >= (2, 5)
@@ -38,9 +44,21 @@ def te_available() -> bool:
     return importlib.util.find_spec("transformer_engine") is not None
 
 
+@functools.lru_cache(maxsize=None)
+def flash_import_error():
+    """None where FlashAttention-4 (`flash_attn.cute`) imports, else why it does not. Any error
+    counts: its CuTe-DSL runtime can fail on import with more than an ImportError."""
+    try:
+        import flash_attn.cute  # noqa: F401
+    except Exception as error:  # noqa: BLE001 -- reported in resolve_backend's message
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
 def resolve_backend(name: str) -> str:
     """`auto` -> `te` when Transformer Engine is installed and CUDA is there, else `sdpa` (a
-    CPU node with TE installed, e.g. to convert a checkpoint, runs sdpa)."""
+    CPU node with TE installed, e.g. to convert a checkpoint, runs sdpa); `flash` only when asked
+    for."""
     if name == "auto":
         return "te" if te_available() and torch.cuda.is_available() else "sdpa"
     if name not in BACKENDS:
@@ -55,6 +73,17 @@ def resolve_backend(name: str) -> str:
     if name == "te" and not torch.cuda.is_available():
         raise ValueError(
             "--ulysses-attention-backend te needs CUDA (Transformer Engine's kernels); on CPU "
+            "use sdpa or local"
+        )
+    if name == "flash" and flash_import_error() is not None:
+        raise ValueError(
+            f"--ulysses-attention-backend flash needs flash-attn-4: pip install "
+            f"'megatron_ulysses[flash]' (or '{FLASH_ATTN_4}'); importing flash_attn.cute "
+            f"failed with {flash_import_error()}. Or use te, sdpa or local"
+        )
+    if name == "flash" and not torch.cuda.is_available():
+        raise ValueError(
+            "--ulysses-attention-backend flash needs CUDA (FlashAttention-4's kernels); on CPU "
             "use sdpa or local"
         )
     return name
@@ -191,11 +220,60 @@ class TEAttention(torch.nn.Module):
         return out.view(b, s, h, d).transpose(0, 1)
 
 
+@functools.lru_cache(maxsize=None)
+def _flash_functions():
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    return flash_attn_func, flash_attn_varlen_func
+
+
+class FlashAttention(torch.nn.Module):
+    """FlashAttention-4 on q `[s, b, Hl, d]`, k, v `[s, b, Gl, d]`, as their bshd views: it takes
+    Gl < Hl kv heads itself (query head i uses kv head i // (Hl/Gl), the layout every backend
+    gets, `expand_kv` having evened out uneven runs first), so no kv head is copied. Packed
+    documents go through `flash_attn_varlen_func` on the batch-major `[b*s]` tokens, whose order
+    `cu_seqlens` counts in. Under --deterministic-mode (megatron-core's `deterministic_mode`) its
+    backward runs without atomics (bitwise repeatable). It has no dropout."""
+
+    def __init__(self, config, num_heads, num_kv_heads, softmax_scale, dropout):
+        super().__init__()
+        if dropout > 0:  # the config refuses this first, in flag terms
+            raise ValueError(f"--ulysses-attention-backend flash has no attention dropout; "
+                             f"got {dropout} (use --attention-dropout 0)")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.softmax_scale = softmax_scale  # None: FA4's 1/sqrt(d), as the other backends
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
+
+    def forward(self, q, k, v, cu_seqlens=None, max_seqlen=None):
+        s, b, h, d = q.shape
+        func, varlen_func = _flash_functions()
+        options = dict(softmax_scale=self.softmax_scale, causal=True,
+                       deterministic=self.deterministic)
+        if cu_seqlens is None:
+            # [b, s, H|G, d] views (FA4 reads strided tensors; it copies only misaligned ones)
+            out = func(*(t.transpose(0, 1) for t in (q, k, v)), **options)
+            return _flash_output(out).transpose(0, 1)
+        q, k, v = (t.transpose(0, 1).reshape(b * s, t.shape[2], d) for t in (q, k, v))
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)  # FA4 asserts int32
+        if max_seqlen is not None:
+            max_seqlen = int(max_seqlen)
+        out = varlen_func(q, k, v, cu_seqlens_q=cu_seqlens, cu_seqlens_k=cu_seqlens,
+                          max_seqlen_q=max_seqlen, max_seqlen_k=max_seqlen, **options)
+        return _flash_output(out).view(b, s, h, d).transpose(0, 1)
+
+
+def _flash_output(result):
+    """FA4's entries return `(out, lse)` (flash-attn-4 4.0.0b36), earlier betas `out`."""
+    return result[0] if isinstance(result, tuple) else result
+
+
 def build_backend_attention(backend, config, layer_number, num_heads, num_kv_heads, softmax_scale,
                           attention_dropout):
     """The backend module for Hl = `num_heads` query and Gl = `num_kv_heads` kv heads."""
     dropout = config.attention_dropout if attention_dropout is None else attention_dropout
     if backend == "sdpa":
         return SDPAAttention(num_heads, num_kv_heads, softmax_scale, dropout)
+    if backend == "flash":
+        return FlashAttention(config, num_heads, num_kv_heads, softmax_scale, dropout)
     cls = {"te": TEAttention, "local": LocalAttention}[backend]
     return cls(config, layer_number, num_heads, num_kv_heads, softmax_scale, dropout)

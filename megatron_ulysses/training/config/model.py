@@ -98,8 +98,10 @@ def add_arguments(parser, model_flags_required: bool = True) -> None:
 def _add_layer_arguments(g) -> None:
     g.add_argument("--ulysses-attention-backend", choices=("auto",) + BACKENDS, default="auto",
                    help="The attention between the all-to-alls: te (Transformer Engine), sdpa "
-                   "(torch), local (megatron-core); auto = te with --transformer-impl "
-                   "transformer_engine, else sdpa.")
+                   "(torch), local (megatron-core), flash (FlashAttention-4: Hopper / "
+                   "Blackwell, bf16 / fp16, --attention-dropout 0; pip install "
+                   "'megatron_ulysses[flash]'); auto = te with --transformer-impl "
+                   "transformer_engine, else sdpa (never flash).")
     g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
                    help="The layers around attention (as Megatron-LM): Transformer Engine's "
                    "(norm fused into the linear layers) or megatron-core's local ones; default "
@@ -193,6 +195,7 @@ def validate(args, ctx: Context) -> None:
             "CPU runs are fp32: drop the flag")
     _check_rope(args, ctx.cuda)
     _check_model_options(args, ctx)
+    _check_flash_attention(args, ctx)
 
 
 def _check_model_options(args, ctx: Context) -> None:
@@ -211,6 +214,38 @@ def _check_model_options(args, ctx: Context) -> None:
                                          "transformer_engine"),
             "--te-rng-tracker is Transformer Engine's CUDA RNG tracker: it needs CUDA and "
             "--transformer-impl transformer_engine; drop it on CPU")
+
+
+def _check_flash_attention(args, ctx: Context) -> None:
+    """FlashAttention-4's limits (flash-attn-4 4.0.0b36's interface): a backward only from
+    Hopper on, bf16 / fp16 only, no dropout, head dims by GPU generation, no deterministic
+    backward on compute capability 12.x."""
+    if args.ulysses_attention_backend != "flash":
+        return
+    flag = "--ulysses-attention-backend flash"
+    require(ctx.cuda, f"{flag} needs CUDA (FlashAttention-4's kernels); on CPU use sdpa or local")
+    major, minor = torch.cuda.get_device_capability()
+    require(major in (9, 10, 11, 12),
+            f"{flag} needs a Hopper or Blackwell GPU (compute capability 9.0 to 12.x: "
+            f"FlashAttention-4 has no backward below); this GPU is {major}.{minor}: use te or "
+            "sdpa")
+    require(args.bf16 or args.fp16, f"{flag} runs in bf16 or fp16 (FlashAttention-4 has no "
+            "fp32 kernels): add --bf16, or use te, sdpa or local")
+    require(args.attention_dropout == 0,
+            f"{flag} has no attention dropout (FlashAttention-4 implements none): add "
+            f"--attention-dropout 0 (got {args.attention_dropout}; the default is 0.1), or use "
+            "te, sdpa or local")
+    d = args.kv_channels
+    # sm90: 8..256; sm100 / sm110: 8..128 or 256; 12.x (its sm80-style kernels): 8..128
+    fits = d % 8 == 0 and (8 <= d <= (256 if major == 9 else 128)
+                           or (major in (10, 11) and d == 256))
+    limits = {9: "8 to 256", 10: "8 to 128, or 256", 11: "8 to 128, or 256"}.get(major,
+                                                                                "8 to 128")
+    require(fits, f"{flag}: head dim --kv-channels {d} is not one FlashAttention-4 runs on "
+            f"compute capability {major}.{minor} ({limits}, a multiple of 8); use te or sdpa")
+    require(not (args.deterministic_mode and major == 12),
+            f"{flag} has no deterministic backward on compute capability {major}.{minor} "
+            "(FlashAttention-4's sm120 kernels): drop --deterministic-mode, or use te")
 
 
 def megatron_core_version() -> str:
