@@ -3,6 +3,7 @@ GPT-2 byte-level BPE and a tiny HuggingFace tokenizer directory trained on the b
 that corpus preprocessed into a megatron-core indexed dataset."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,6 +14,9 @@ CORPUS = REPO_ROOT / "examples" / "data" / "corpus.jsonl"
 TINY_VOCAB = 1000
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # tests/gpu imports tests/distributed.py
+# Every process the tests start skips the shutdown garbage collection (fast_exit/sitecustomize.py)
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    filter(None, [str(REPO_ROOT / "tests" / "fast_exit"), os.environ.get("PYTHONPATH")]))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -24,6 +24,7 @@ import random
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from unittest import mock
 
 import numpy as np
@@ -276,39 +277,40 @@ def _forge_record(ckpt: str) -> None:
         json.dump({"format": save_guard.RECORD_FORMAT, "algorithm": "crc32", "files": files}, f)
 
 
-def _load_each(rank, world, roots, report):
+def _attack_each(rank, world, tmp, report):
+    """Save one checkpoint, make a malicious copy of it per attack and load each; writes
+    {attack: [marker, offending file, loader message]} to `report`."""
     from megatron_ulysses.training.arguments import ConfigError
 
-    messages = {}
-    for name, root in roots.items():
+    base = os.path.join(tmp, "base")
+    _save_base(rank, world, base, [])
+    found = {}
+    for number, kind in enumerate(ATTACKS):
+        root = os.path.join(tmp, f"attack{number}")
+        shutil.copytree(base, root)
+        marker = os.path.join(tmp, f"marker{number}")
+        offending = _plant(kind, os.path.join(root, "iter_0000003"), marker)
+        _forge_record(os.path.join(root, "iter_0000003"))
         build = _build(world)
         try:
             _load(root, build)
-            messages[name] = None
+            message = None
         except BaseException as error:  # DCP raises CheckpointException(BaseException)
-            messages[name] = str(error) if isinstance(error, ConfigError) else repr(error)
+            message = str(error) if isinstance(error, ConfigError) else repr(error)
         _teardown()
+        found[kind] = [marker, offending, message]
     with open(report, "w") as f:
-        json.dump(messages, f)
+        json.dump(found, f)
 
 
 @pytest.fixture(scope="module")
 def attacked(tmp_path_factory):
     """{attack: (marker, offending file, loader message)} from one worker."""
     tmp = tmp_path_factory.mktemp("attacks")
-    base = tmp / "base"
-    spawn(_save_base, 1, str(base), [])
-    roots, expected = {}, {}
-    for number, kind in enumerate(ATTACKS):
-        root = tmp / f"attack{number}"
-        shutil.copytree(base, root)
-        marker = tmp / f"marker{number}"
-        expected[kind] = (marker, _plant(kind, str(root / "iter_0000003"), marker))
-        _forge_record(str(root / "iter_0000003"))
-        roots[kind] = str(root)
-    spawn(_load_each, 1, roots, str(tmp / "report.json"))
-    messages = json.loads((tmp / "report.json").read_text())
-    return {kind: (*expected[kind], messages[kind]) for kind in ATTACKS}
+    spawn(_attack_each, 1, str(tmp), str(tmp / "report.json"))
+    found = json.loads((tmp / "report.json").read_text())
+    return {kind: (Path(marker), offending, message)
+            for kind, (marker, offending, message) in found.items()}
 
 
 @pytest.mark.parametrize("kind", ATTACKS)
@@ -366,39 +368,40 @@ VALIDATION = {
 }
 
 
-def _validation_cases(rank, world, cases, report):
+def _validation_cases(rank, world, tmp, report):
+    """Save a checkpoint with learned and one with rotary positions, copy the right one per
+    VALIDATION case (its tracker rewritten where the case says) and load each with its flags;
+    writes {case: [root, outcome]} to `report`."""
     from megatron_ulysses.training.arguments import ConfigError
 
+    bases = {False: os.path.join(tmp, "learned"), True: os.path.join(tmp, "rope")}
+    for rope, base in bases.items():
+        _save_base(rank, world, base, ROPE if rope else [])
     outcomes = {}
-    for name, (root, flags) in cases.items():
+    for number, (name, (base_flags, flags, tracker, _)) in enumerate(VALIDATION.items()):
+        root = os.path.join(tmp, f"case{number}")
+        shutil.copytree(bases[bool(base_flags)], root)
+        if tracker is not None:
+            _tracker(root, tracker)
         build = _build(world, *flags)
         try:
             result, printed = _load(root, build)
-            outcomes[name] = {"result": list(result), "printed": printed}
+            outcome = {"result": list(result), "printed": printed}
         except BaseException as error:  # DCP raises CheckpointException(BaseException)
-            outcomes[name] = {"error": str(error) if isinstance(error, ConfigError)
-                              else repr(error)}
+            outcome = {"error": str(error) if isinstance(error, ConfigError) else repr(error)}
         _teardown()
+        outcomes[name] = [root, outcome]
     with open(report, "w") as f:
         json.dump(outcomes, f)
 
 
 @pytest.fixture(scope="module")
 def validated(tmp_path_factory):
+    """{case: (checkpoint root, outcome of its load)} from one worker."""
     tmp = tmp_path_factory.mktemp("validation")
-    bases = {"learned": ([], tmp / "learned"), "rope": (ROPE, tmp / "rope")}
-    for flags, base in bases.values():
-        spawn(_save_base, 1, str(base), flags)
-    cases = {}
-    for number, (name, (base_flags, flags, tracker, _)) in enumerate(VALIDATION.items()):
-        root = tmp / f"case{number}"
-        shutil.copytree(bases["rope" if base_flags else "learned"][1], root)
-        if tracker is not None:
-            _tracker(root, tracker)
-        cases[name] = (str(root), flags)
-    spawn(_validation_cases, 1, cases, str(tmp / "report.json"))
-    outcomes = json.loads((tmp / "report.json").read_text())
-    return {name: (cases[name][0], outcomes[name]) for name in VALIDATION}
+    spawn(_validation_cases, 1, str(tmp), str(tmp / "report.json"))
+    return {name: tuple(found)
+            for name, found in json.loads((tmp / "report.json").read_text()).items()}
 
 
 @pytest.mark.parametrize("name", VALIDATION)

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +31,23 @@ def _env():
 def convert(*flags):
     return subprocess.run([sys.executable, TOOL, *flags], env=_env(), capture_output=True,
                           text=True, timeout=300)
+
+
+def convert_refusal(capsys, *flags):
+    """`convert_hf.main(flags)` in this process, for an input it must refuse before it starts
+    any process (a refusal found later fails here, not by exiting pytest); its (exit status,
+    stderr) as a `subprocess.CompletedProcess`. Each test keeps one `convert` run as the user
+    meets it; the other refusals of its kind run here (a process costs seconds of imports)."""
+    import convert_hf
+
+    def no_world(*args):
+        raise AssertionError(f"convert_hf.py {' '.join(flags)} was not refused before its "
+                             "processes started")
+
+    capsys.readouterr()
+    with mock.patch.object(convert_hf, "run_world", no_world):
+        code = convert_hf.main(list(flags))
+    return subprocess.CompletedProcess(flags, code, *capsys.readouterr())
 
 
 def save_random_llama(path, vocab: int):
@@ -121,8 +139,14 @@ def _train(nproc, checkpoint, *flags, data=("--mock-data",)):
     return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
 
 
-def test_finetune_from_checkpoint_args_at_sp1_and_sp2(hf_dir, checkpoint, tmp_path):
-    expected = losses(_train(1, checkpoint))
+@pytest.fixture(scope="module")
+def sp1_losses(checkpoint):
+    """The losses of `_train(1, checkpoint)`: the imported model fine-tuned at SP 1."""
+    return losses(_train(1, checkpoint))
+
+
+def test_finetune_from_checkpoint_args_at_sp1_and_sp2(hf_dir, checkpoint, sp1_losses, tmp_path):
+    expected = sp1_losses
     assert sorted(expected) == [1, 2]
     trained = tmp_path / "trained"
     got = losses(_train(2, checkpoint, "--ulysses-sp-size", "2", "--save", str(trained)))
@@ -163,11 +187,12 @@ def test_first_loss_of_the_imported_model_is_hf_loss(hf_dir, checkpoint, tmp_pat
     assert got[1] == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_a_new_rotary_base_on_the_command_line_wins_and_exports(hf_dir, checkpoint, tmp_path):
+def test_a_new_rotary_base_on_the_command_line_wins_and_exports(hf_dir, checkpoint, sp1_losses,
+                                                               tmp_path):
     # Context extension raises the RoPE base on load: the flag beats the checkpoint's value,
     # changes the numerics and reaches the exported config.json.
     trained = tmp_path / "trained"
-    base = losses(_train(1, checkpoint))
+    base = sp1_losses
     raised = losses(_train(1, checkpoint, "--rotary-base", "2000000", "--save", str(trained)))
     assert raised[1] != pytest.approx(base[1], rel=1e-6)
     out, tokenizer = tmp_path / "exported", tmp_path / "tokenizer"
@@ -182,25 +207,26 @@ def test_a_new_rotary_base_on_the_command_line_wins_and_exports(hf_dir, checkpoi
     assert theta == 2000000
 
 
-def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path):
+def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path, capsys):
     result = convert("import", "--hf-path", str(tmp_path / "missing"), "--output",
                      str(tmp_path / "c"))
     assert result.returncode == 2 and "--hf-path" in result.stderr
     assert "Traceback" not in result.stderr
-    result = convert("import", "--hf-path", str(hf_dir), "--output", str(tmp_path / "c"),
-                     "--tensor-model-parallel-size", "3")
+    result = convert_refusal(capsys, "import", "--hf-path", str(hf_dir), "--output",
+                             str(tmp_path / "c"), "--tensor-model-parallel-size", "3")
     assert result.returncode == 2 and "--tensor-model-parallel-size" in result.stderr
-    result = convert("import", "--hf-path", str(hf_dir), "--output", str(tmp_path / "c"),
-                     "--pipeline-model-parallel-size", "2")
+    result = convert_refusal(capsys, "import", "--hf-path", str(hf_dir), "--output",
+                             str(tmp_path / "c"), "--pipeline-model-parallel-size", "2")
     assert result.returncode == 2 and "not supported yet" in result.stderr
     bad = tmp_path / "gpt2"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    result = convert("import", "--hf-path", str(bad), "--output", str(tmp_path / "c"))
+    result = convert_refusal(capsys, "import", "--hf-path", str(bad), "--output",
+                             str(tmp_path / "c"))
     assert result.returncode == 2 and "architectures" in result.stderr
     assert "Traceback" not in result.stderr
-    result = convert("export", "--load", str(tmp_path / "nothing"), "--output",
-                     str(tmp_path / "o"))
+    result = convert_refusal(capsys, "export", "--load", str(tmp_path / "nothing"), "--output",
+                             str(tmp_path / "o"))
     assert result.returncode == 2 and "--load" in result.stderr
     assert not (tmp_path / "c").exists()
 
@@ -233,18 +259,19 @@ def _refused(result, *words):
         assert word in lines[0], lines[0]
 
 
-def test_import_refuses_bad_output_and_config_fields(hf_dir, tmp_path):
-    _refused(convert("import", "--hf-path", str(hf_dir), "--output", "/proc/nope"), "--output")
-    assert "--save" not in convert("import", "--hf-path", str(hf_dir), "--output",
-                                   "/proc/nope").stderr
+def test_import_refuses_bad_output_and_config_fields(hf_dir, tmp_path, capsys):
+    unwritable = convert("import", "--hf-path", str(hf_dir), "--output", "/proc/nope")
+    _refused(unwritable, "--output")
+    assert "--save" not in unwritable.stderr
     trained = tmp_path / "trained"
     trained.mkdir()
     (trained / "latest_checkpointed_iteration.txt").write_text("5")
-    _refused(convert("import", "--hf-path", str(hf_dir), "--output", str(trained)), "--output")
+    _refused(convert_refusal(capsys, "import", "--hf-path", str(hf_dir), "--output",
+                             str(trained)), "--output")
     assert (trained / "latest_checkpointed_iteration.txt").read_text() == "5"
     bad = _hf_copy(hf_dir, tmp_path / "no_layers", num_hidden_layers=None)
-    _refused(convert("import", "--hf-path", str(bad), "--output", str(tmp_path / "c")),
-             "is missing the field 'num_hidden_layers'")
+    _refused(convert_refusal(capsys, "import", "--hf-path", str(bad), "--output",
+                             str(tmp_path / "c")), "is missing the field 'num_hidden_layers'")
 
 
 def test_import_refuses_tensors_the_config_wants_and_the_files_lack(hf_dir, tmp_path):
@@ -264,7 +291,7 @@ def test_import_refuses_tensors_the_config_wants_and_the_files_lack(hf_dir, tmp_
     assert not (tmp_path / "c").exists()
 
 
-def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path):
+def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path, capsys):
     load = str(tmp_path / "nothing")  # refused before --load is read
     old = tmp_path / "old_model"
     old.mkdir()
@@ -274,12 +301,15 @@ def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path):
     index = tmp_path / "indexed"
     index.mkdir()
     (index / "model.safetensors.index.json").write_text("{}")
-    _refused(convert("export", "--load", load, "--output", str(index)), "--output")
+    _refused(convert_refusal(capsys, "export", "--load", load, "--output", str(index)),
+             "--output")
     tokenizer = tmp_path / "tokenizer"
     tokenizer.mkdir()
     (tokenizer / "tokenizer.json").write_text("{}")
-    _refused(convert("export", "--load", load, "--output", str(tokenizer), "--tokenizer-dir",
-                     str(tokenizer)), "--output", "--tokenizer-dir")
+    _refused(convert_refusal(capsys, "export", "--load", load, "--output", str(tokenizer),
+                             "--tokenizer-dir", str(tokenizer)), "--output", "--tokenizer-dir")
     (tmp_path / "file").write_text("")
-    _refused(convert("export", "--load", load, "--output", str(tmp_path / "file")), "--output")
-    _refused(convert("export", "--load", load, "--output", "/proc/nope"), "--output")
+    _refused(convert_refusal(capsys, "export", "--load", load, "--output",
+                             str(tmp_path / "file")), "--output")
+    _refused(convert_refusal(capsys, "export", "--load", load, "--output", "/proc/nope"),
+             "--output")

@@ -120,7 +120,10 @@ def _signal(process, save, target: str) -> None:
         everyone += [int(p) for p in subprocess.run(["pgrep", "-s", str(pid)], capture_output=True,
                                                     text=True).stdout.split()]
     for pid in everyone:
-        os.kill(pid, signal.SIGTERM)
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:  # ended since pgrep listed it (a save's short-lived writer)
+            pass  # a rank that ended early fails the checks after the signal
 
 
 @pytest.mark.parametrize("target, when", [("torchrun", "iteration"), ("every process", "save")])
