@@ -1,24 +1,30 @@
 """The virtual pipeline (--num-layers-per-virtual-pipeline-stage, issue 26): megatron-core's
 interleaved 1F1B schedule over model chunks, on CPU over gloo.
 
-- PP 2 x VPP 2 (4 layers, one per virtual stage) at SP 1 and SP 2 logs PP 1's losses and grad
-  norms: the same weights (set from each parameter's global name), the same micro batches.
+- PP 2 x VPP 2 (4 layers, one per virtual stage) at SP 1 and SP 2, and PP 2 without chunks, log
+  PP 1's losses and grad norms: the same weights (set from each parameter's global name), the
+  same micro batches.
 - Its checkpoint (Megatron-LM's "model0" / "model1" keys) resumes to the uninterrupted run's
-  digits (torchrun); a checkpoint without chunks is refused with the flag to change.
+  digits (torchrun); a run with other chunks than the checkpoint's is told which flag differs.
 - A bad layout is one ConfigError (Megatron-LM's rules).
 """
 
+import os
 import re
+import subprocess
+import sys
 import zlib
 
 import pytest
 import torch
+from conftest import REPO_ROOT
 from distributed import spawn
-from test_cli import ITERATION
+from test_cli import ITERATION, validation
 
 from megatron_ulysses import cpu_compat
 from megatron_ulysses.data.sharding import shard_for_sp_rank
 from megatron_ulysses.parallel_state import destroy_model_parallel, get_ulysses_sp_rank
+from megatron_ulysses.training import checkpointing
 from megatron_ulysses.training.arguments import ConfigError, parse_args
 from megatron_ulysses.training.chunks import model_chunks
 from megatron_ulysses.training.loop import initialize_distributed
@@ -91,10 +97,51 @@ def _run(world_size: int, argv: list) -> list:
 
 def test_pp2_vpp2_logs_pp1s_losses_and_grad_norms_at_sp1_and_sp2():
     reference = _run(1, [])
-    for world, sp in ((2, 1), (4, 2)):
-        got = _run(world, VPP + ["--ulysses-sp-size", str(sp)])
+    plain_pp = ["--pipeline-model-parallel-size", "2"]  # 1F1B without chunks, on CPU too
+    for world, sp, layout in ((2, 1, VPP), (4, 2, VPP), (2, 1, plain_pp)):
+        got = _run(world, layout + ["--ulysses-sp-size", str(sp)])
         assert len(got) == STEPS
         for (loss, norm), (ref_loss, ref_norm) in zip(got, reference):
             assert loss == pytest.approx(ref_loss, rel=1e-5), (sp, got, reference)
             assert norm == pytest.approx(ref_norm, rel=1e-4), (sp, got, reference)
     assert reference[0][0] != pytest.approx(reference[-1][0], rel=1e-3)  # it trained
+
+
+def _torchrun(nproc: int, *flags: str):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *MODEL,
+               "--log-interval", "1", "--num-workers", "0", "--log-params-norm", *flags]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _logged(result) -> dict:
+    """iteration -> the logged line's loss, grad norm and params norm, as printed."""
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return {int(line.split("iteration")[1].split("/")[0]): re.findall(
+        r"(?:lm loss|grad norm|params norm): (\S+)", line)
+        for line in result.stdout.splitlines() if ITERATION.search(line)}
+
+
+def test_a_chunked_checkpoint_resumes_to_the_uninterrupted_runs_digits(tmp_path):
+    flags = [*VPP, "--train-iters", "4", "--save-interval", "2", "--eval-interval", "2",
+             "--eval-iters", "1"]
+    runs = [_torchrun(2, *flags, "--save", str(tmp_path / "a")),
+            _torchrun(2, *flags, "--exit-interval", "2", "--save", str(tmp_path / "b"))]
+    runs.append(_torchrun(2, *flags, "--load", str(tmp_path / "b"), "--save",
+                          str(tmp_path / "b")))
+    straight, first, resumed = map(_logged, runs)
+    assert list(straight) == [1, 2, 3, 4] and list(first) == [1, 2] and list(resumed) == [3, 4]
+    assert {**first, **resumed} == straight
+    # evaluation runs over the chunks too, at iterations 2 and 4 of either story
+    evaluated = [validation(run) for run in runs]
+    assert list(evaluated[0]) == [2, 4] and {**evaluated[1], **evaluated[2]} == evaluated[0]
+
+
+def test_a_run_without_the_checkpoints_chunks_is_told_which_flag_differs():
+    saved = checkpointing._saved_args(parse_args(MODEL + VPP, world_size=2))
+    run = checkpointing._saved_args(parse_args(
+        MODEL + ["--pipeline-model-parallel-size", "2"], world_size=2))
+    with pytest.raises(ConfigError, match=r"virtual pipeline stages per rank .*: checkpoint 2, "
+                       "this run None"):
+        checkpointing._check_args("ckpt", saved, run)
