@@ -150,12 +150,15 @@ def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
         gpts = [_gpt_chunk(model, config, vp_stage) for vp_stage in
                 ([None] if vpp is None else range(vpp))]
     chunks = []
-    for gpt in gpts:
+    for index, gpt in enumerate(gpts):
         if torch.cuda.is_available():
             gpt.cuda(torch.cuda.current_device())
         if model.offload_activations:
             enable_activation_offload(gpt.decoder)
-        chunks.append(wrap_model(gpt, model, optimizer, config, performance))
+        # As Megatron-LM: one bucket for the chunks after the first, whose gradient reduction
+        # the interleaved schedule overlaps with the other chunks' compute anyway.
+        chunks.append(wrap_model(gpt, model, optimizer, config, performance,
+                                 disable_bucketing=index > 0))
     return chunks[0] if vpp is None else chunks
 
 
@@ -179,10 +182,12 @@ def _gpt_chunk(model: ModelConfig, config: TransformerConfig, vp_stage):
 
 
 def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: TransformerConfig,
-               performance: PerformanceConfig = PerformanceConfig()):
+               performance: PerformanceConfig = PerformanceConfig(),
+               disable_bucketing: bool = False):
     """`gpt` as Megatron-LM's get_model wraps it: `Float16Module` for bf16/fp16 (half-precision
     weights, fp32 logits out), then megatron-core DDP (an fp32 grad buffer unless
-    --grad-reduce-in-bf16), or its FSDP2 / Megatron-FSDP wrapper (`fsdp.py`)."""
+    --grad-reduce-in-bf16; `disable_bucketing`: one bucket), or its FSDP2 / Megatron-FSDP wrapper
+    (`fsdp.py`; never with a virtual pipeline, which needs PP > 1)."""
     if model.bf16 or model.fp16:
         gpt = Float16Module(config, gpt)
     kwargs = ddp_config_kwargs(optimizer, performance)
@@ -194,7 +199,8 @@ def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: Tran
         return FullyShardedDataParallel(config=config, module=gpt,
                                         ddp_config=DistributedDataParallelConfig(**kwargs))
     return DistributedDataParallel(config=config, module=gpt,
-                                   ddp_config=DistributedDataParallelConfig(**kwargs))
+                                   ddp_config=DistributedDataParallelConfig(**kwargs),
+                                   disable_bucketing=disable_bucketing)
 
 
 def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig) -> dict:
