@@ -3,7 +3,8 @@ CPU quickstart). `install()` does nothing when CUDA is available.
 
 megatron-core assumes CUDA in a few places that matter for a CPU run: `torch.cuda.current_device()`
 as a tensor device (RoPE, GlobalMemoryBuffer, local attention), `torch.cuda.current_stream()`
-(DDP), `torch.cuda.synchronize()` (dist_checkpointing), the CUDA RNG tracker (dropout under
+(DDP), `torch.cuda.synchronize()` (dist_checkpointing), the token count its pipeline schedules
+allocate on "cuda", the CUDA RNG tracker (dropout under
 tensor parallelism, activation recompute) and the "cuda" device mesh of its FSDP2 wrapper. On CPU
 these map to the CPU device, no-ops, a tracker over CPU generator states and a CPU mesh.
 """
@@ -89,12 +90,40 @@ class _CpuDeviceMesh:
         return DeviceMesh.from_group(group, "cpu", *args, **kwargs)
 
 
+class _CpuTokenCountTorch:
+    """`torch` as megatron-core's pipeline schedules see it: `torch.zeros(..., device="cuda")`
+    (their step's token count, the one CUDA tensor they make) on the CPU; all else is torch."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+
+@contextlib.contextmanager
+def tensors_stay_on_cpu():
+    """On CPU, `Tensor.cuda()` returns the tensor inside: megatron-core's GPTModel moves the
+    tied embedding to "cuda" before its first-to-last-stage all-reduce (PP > 1)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    cuda = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda tensor, *args, **kwargs: tensor
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = cuda
+
+
 def install() -> None:
     """Apply the shim once, only when CUDA is absent."""
     global _INSTALLED
     if _INSTALLED or torch.cuda.is_available():
         return
     from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
+    from megatron.core.pipeline_parallel import schedules
     from megatron.core.tensor_parallel import random as mcore_random
 
     torch.cuda.current_device = lambda: torch.device("cpu")
@@ -106,6 +135,7 @@ def install() -> None:
     mcore_random._CUDA_RNG_STATE_TRACKER = _cpu_rng_tracker_class()()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch_fsdp.DeviceMesh = _CpuDeviceMesh
+    schedules.torch = _CpuTokenCountTorch()
     _INSTALLED = True
 
 

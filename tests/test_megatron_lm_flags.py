@@ -242,13 +242,26 @@ def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
     (["--decoder-last-pipeline-num-layers", "4"], "leaves 0 layers for the other 1"),
     (["--decoder-first-pipeline-num-layers", "1", "--account-for-loss-in-pipeline-split"],
      "are exclusive"),
-    (["--num-layers-per-virtual-pipeline-stage", "1"], "does not build yet"),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], None),  # 2 chunks of 1 layer
+    (["--num-virtual-stages-per-pipeline-rank", "2"], None),
     (["--num-layers-per-virtual-pipeline-stage", "3"], "must be divisible by"),
+    (["--num-virtual-stages-per-pipeline-rank", "3"], r"must divide the layers of every "
+     r"pipeline stage \(2, 2,"),
+    (["--decoder-first-pipeline-num-layers", "1", "--num-virtual-stages-per-pipeline-rank", "2"],
+     r"\(1, 3,"),
+    (["--num-layers-per-virtual-pipeline-stage", "1", "--no-overlap-p2p-communication"],
+     "needs --pipeline-model-parallel-size > 2"),
+    (["--num-layers-per-virtual-pipeline-stage", "1",
+      "--num-virtual-stages-per-pipeline-rank", "2"], "are exclusive"),
+    (["--overlap-p2p-communication-warmup-flush"], "need a virtual pipeline"),
+    (["--num-layers-per-virtual-pipeline-stage", "1",
+      "--microbatch-group-size-per-virtual-pipeline-stage", "5"],
+     "runs --global-batch-size's 4 micro batches per step in groups of 5"),
 ])
 def test_pipeline_layout_flags_follow_megatron_lms_rules_on_gpu(argv, message):
     from megatron_ulysses.training.arguments import build_parser, validate_args
 
-    args = build_parser().parse_args(BASE + ["--num-layers", "4",
+    args = build_parser().parse_args(BASE + ["--num-layers", "4", "--global-batch-size", "4",
                                              "--pipeline-model-parallel-size", "2"] + argv)
     if message is None:
         config = validate_args(args, world_size=2, cuda=True)
@@ -257,6 +270,10 @@ def test_pipeline_layout_flags_follow_megatron_lms_rules_on_gpu(argv, message):
             args.decoder_first_pipeline_num_layers
         assert mcore["account_for_embedding_in_pipeline_split"] == \
             args.account_for_embedding_in_pipeline_split
+        chunks = 2 if args.num_layers_per_virtual_pipeline_stage or \
+            args.num_virtual_stages_per_pipeline_rank else None
+        assert mcore["virtual_pipeline_model_parallel_size"] == chunks
+        assert mcore["overlap_p2p_comm"] == (chunks is not None) != mcore["batch_p2p_comm"]
         return
     with pytest.raises(ConfigError, match=message):
         validate_args(args, world_size=2, cuda=True)

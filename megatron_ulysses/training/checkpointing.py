@@ -71,6 +71,7 @@ from .. import processes
 from ..errors import ConfigError, flag_name
 from . import megatron_lm_checkpoint, save_guard
 from .checkpoint_saver import CheckpointSaver
+from .chunks import model_chunks, state_keys
 from .fsdp import (
     local_shards_as_dtensors,
     main_params_as_dtensors,
@@ -94,10 +95,11 @@ _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "tensor_model_parallel_size", "pipeline_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
                "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved")
+               "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
+               "virtual_pipeline_model_parallel_size")
 # What a checkpoint saved before an arg existed means by its absence (it still loads).
 _MISSING_MEANS = {"add_qkv_bias": False, "apply_layernorm_1p": False, "squared_relu": False,
-                  "rotary_interleaved": False}
+                  "rotary_interleaved": False, "virtual_pipeline_model_parallel_size": None}
 # Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
@@ -233,11 +235,12 @@ def _plain(value, what: str):
 
 def _sharded_state_dict(model, optimizer, scheduler, is_loading, with_optimizer=True,
                         rng_states=None, common=None):
-    model_sd = model_sharded_state_dict(model)
-    state = {"model": model_sd, **(common or {})}
+    model_sd = {key: model_sharded_state_dict(chunk)  # Megatron-LM's keys, `training.chunks`
+                for key, chunk in zip(state_keys(model), model_chunks(model))}
+    state = {**model_sd, **(common or {})}
     if with_optimizer:
-        state["optimizer"] = optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
-                                                          metadata=OPTIMIZER_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            model_sd.get("model", model_sd), is_loading=is_loading, metadata=OPTIMIZER_METADATA)
         if not is_loading:
             state["opt_param_scheduler"] = _plain(scheduler.state_dict(), "scheduler")
     if rng_states is not None:
@@ -412,6 +415,9 @@ def _flag(key: str) -> str:
     if key == "padded_vocab_size":
         return ("padded vocab size (from the tokenizer or --vocab-size, "
                 "--make-vocab-size-divisible-by and TP)")
+    if key == "virtual_pipeline_model_parallel_size":
+        return ("virtual pipeline stages per rank (--num-virtual-stages-per-pipeline-rank or "
+                "--num-layers-per-virtual-pipeline-stage; None: none)")
     return flag_name(key)
 
 
@@ -597,6 +603,14 @@ def _apply_strictness(path: str, strictness: str, unexpected, not_loaded) -> Non
                           f"({shown}) and --dist-ckpt-strictness is {strictness}")
 
 
+def _load_weights(path: str, model, weights: dict) -> None:
+    """The loaded `weights` (checked) into the GPTModel of `model` (DDP, one chunk)."""
+    check_extra_states(path, weights)
+    gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
+    weights = local_shards_as_dtensors(gpt, weights)
+    _check_missing(path, gpt.load_state_dict(weights, strict=False).missing_keys)
+
+
 def load_checkpoint(root: str, model, optimizer, scheduler, config):
     """Load the latest checkpoint in `root`; returns (iteration, consumed_samples), (0, 0)
     when there is none. `--finetune` loads the model only and restarts at 0; `optimizer` None
@@ -631,10 +645,8 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
             **({"verify_integrity": True} if flags.verify_integrity else {}))
     _apply_strictness(path, flags.dist_ckpt_strictness, missing, not_loaded)
     _check_missing(path, missing)
-    check_extra_states(path, loaded["model"])
-    gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
-    weights = local_shards_as_dtensors(gpt, loaded["model"])
-    _check_missing(path, gpt.load_state_dict(weights, strict=False).missing_keys)
+    for key, chunk in zip(state_keys(model), model_chunks(model)):
+        _load_weights(path, chunk, loaded[key])
     if with_optimizer:
         main_params_as_dtensors(optimizer, loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])

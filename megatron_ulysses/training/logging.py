@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.timers import Timers
 
+from .chunks import model_chunks
 from .fsdp import sum_over_shards
 from .writers import ScalarWriters
 
@@ -94,8 +95,9 @@ def timers_to_log(level: int):
 def params_l2_norm(model) -> float:
     """L2 norm of all parameters, each counted once: TP-sharded ones summed over TP x PP,
     shared and TP-duplicated ones once (DP x SP replicas are equal, so not summed over; FSDP's
-    shards are)."""
-    squares = sum_over_shards([(param, param.detach()) for param in model.parameters()],
+    shards are). `model`: the model or its virtual pipeline chunks."""
+    squares = sum_over_shards([(param, param.detach()) for chunk in model_chunks(model)
+                               for param in chunk.parameters()],
                               lambda shard: shard.double().pow(2).sum()).cpu()  # one sync
     if dist.is_initialized():
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
@@ -152,8 +154,8 @@ class TrainingLogger:
         self.world_size = world_size
         self.model = model
         self.timers = Timers(config.logging.timing_log_level, config.logging.timing_log_option)
-        if model is not None:
-            model.config.timers = self.timers
+        if model is not None:  # the chunks of a virtual pipeline share one config
+            model_chunks(model)[0].config.timers = self.timers
         self.writer = ScalarWriters(config)
         self.start = time.time()
         self.window_start = time.time()

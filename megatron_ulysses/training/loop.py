@@ -17,6 +17,7 @@ from ..processes import guard_rank
 from ..vocab import model_vocab_size
 from .batch_schedule import global_batch_size_at
 from .checkpoint_saver import CheckpointSaver
+from .chunks import model_chunks
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
@@ -46,7 +47,8 @@ def initialize_distributed(config: RunConfig) -> None:
                            config.training.distributed_timeout_minutes)
     ps.initialize_model_parallel(
         dims=config.dims, create_gloo_process_groups=config.model.use_gloo_process_groups,
-        num_distributed_optimizer_instances=config.performance.num_distributed_optimizer_instances)
+        num_distributed_optimizer_instances=config.performance.num_distributed_optimizer_instances,
+        virtual_pipeline_model_parallel_size=config.model.virtual_pipeline_model_parallel_size)
     if config.model.te_rng_tracker:
         rng.use_te_rng_tracker()
     rng.seed_dropout_streams(dropout_base_seed(config.training))  # per SP rank and stage
@@ -99,7 +101,8 @@ def pretrain(config: RunConfig) -> None:
     if config.training.skip_train:
         return evaluate_only(config, tokenizer)
     model, optimizer, scheduler = build_model_and_optimizer(config)
-    print_rank_0(f" > parameters on rank 0: {sum(p.numel() for p in model.parameters()):,}")
+    print_rank_0(" > parameters on rank 0: "
+                 f"{sum(p.numel() for chunk in model_chunks(model) for p in chunk.parameters()):,}")
     iteration, consumed, extra_common = 0, 0, {}
     if config.checkpoint.load:
         iteration, consumed = load_checkpoint(config.checkpoint.load, model, optimizer,

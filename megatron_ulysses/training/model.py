@@ -21,11 +21,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
-from .. import rng
+from .. import cpu_compat, rng
 from ..backends import te_available
 from ..layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
+from .chunks import model_chunks
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config.performance import ddp_kwargs, transformer_kwargs
 from .fsdp import UlyssesTorchFSDP2
@@ -71,6 +72,10 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         num_layers_in_last_pipeline_stage=model.decoder_last_pipeline_num_layers,
         account_for_embedding_in_pipeline_split=model.account_for_embedding_in_pipeline_split,
         account_for_loss_in_pipeline_split=model.account_for_loss_in_pipeline_split,
+        virtual_pipeline_model_parallel_size=model.virtual_pipeline_model_parallel_size,
+        microbatch_group_size_per_vp_stage=model.microbatch_group_size_per_virtual_pipeline_stage,
+        overlap_p2p_comm=model.overlap_p2p_comm, batch_p2p_comm=not model.overlap_p2p_comm,
+        overlap_p2p_comm_warmup_flush=model.overlap_p2p_communication_warmup_flush,
         # read by megatron-core's FSDP2 wrapper: local layers' linears are not FSDP units
         transformer_impl=model.transformer_impl,
         tensor_model_parallel_size=dims.tp,
@@ -134,35 +139,55 @@ def _init_methods(model: ModelConfig) -> dict:
 
 
 def build_model(model: ModelConfig, optimizer: OptimizerConfig, seed: int,
-                config: TransformerConfig,
-                performance: PerformanceConfig = PerformanceConfig()) -> DistributedDataParallel:
+                config: TransformerConfig, performance: PerformanceConfig = PerformanceConfig()):
     """The Ulysses GPTModel (in `Float16Module` for bf16/fp16) in megatron-core DDP; the
-    weights are drawn from `seed` alone, the same on every DP x SP rank."""
-    with rng.weight_init_streams(seed):
-        gpt = build_gpt_model(
-            config, model.padded_vocab_size, model.max_position_embeddings,
-            backend=model.ulysses_attention_backend, transformer_impl=model.transformer_impl,
-            pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage(),
-            tiled_mlp_shards=model.tiled_mlp_shards, tiled_loss_shards=model.tiled_loss_shards,
-            parallel_output=True,
-            share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
-            position_embedding_type=model.position_embedding_type,
-            rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
-            rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
-            seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor,
-        )
-    if torch.cuda.is_available():
-        gpt.cuda(torch.cuda.current_device())
-    if model.offload_activations:
-        enable_activation_offload(gpt.decoder)
-    return wrap_model(gpt, model, optimizer, config, performance)
+    weights are drawn from `seed` alone, the same on every DP x SP rank. With a virtual
+    pipeline, as Megatron-LM's get_model: a list of them, one per virtual stage `vp_stage`
+    (its layers megatron-core's for that stage; embedding on the first rank's first chunk,
+    loss on the last rank's last chunk), drawn one after the other from `seed`."""
+    vpp = model.virtual_pipeline_model_parallel_size
+    with rng.weight_init_streams(seed), cpu_compat.tensors_stay_on_cpu():
+        gpts = [_gpt_chunk(model, config, vp_stage) for vp_stage in
+                ([None] if vpp is None else range(vpp))]
+    chunks = []
+    for index, gpt in enumerate(gpts):
+        if torch.cuda.is_available():
+            gpt.cuda(torch.cuda.current_device())
+        if model.offload_activations:
+            enable_activation_offload(gpt.decoder)
+        # As Megatron-LM: one bucket for the chunks after the first, whose gradient reduction
+        # the interleaved schedule overlaps with the other chunks' compute anyway.
+        chunks.append(wrap_model(gpt, model, optimizer, config, performance,
+                                 disable_bucketing=index > 0))
+    return chunks[0] if vpp is None else chunks
+
+
+def _gpt_chunk(model: ModelConfig, config: TransformerConfig, vp_stage):
+    """The GPTModel of this pipeline rank's virtual stage `vp_stage` (None: the whole stage)."""
+    first = mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    last = mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    chunk = {} if vp_stage is None else {"vp_stage": vp_stage}
+    return build_gpt_model(
+        config, model.padded_vocab_size, model.max_position_embeddings,
+        backend=model.ulysses_attention_backend, transformer_impl=model.transformer_impl,
+        pre_process=first, post_process=last,
+        tiled_mlp_shards=model.tiled_mlp_shards, tiled_loss_shards=model.tiled_loss_shards,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not model.untie_embeddings_and_output_weights,
+        position_embedding_type=model.position_embedding_type,
+        rotary_percent=model.rotary_percent, rotary_base=model.rotary_base,
+        rope_scaling=model.use_rope_scaling, rope_scaling_factor=model.rope_scaling_factor,
+        seq_len_interpolation_factor=model.rotary_seq_len_interpolation_factor, **chunk,
+    )
 
 
 def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: TransformerConfig,
-               performance: PerformanceConfig = PerformanceConfig()):
+               performance: PerformanceConfig = PerformanceConfig(),
+               disable_bucketing: bool = False):
     """`gpt` as Megatron-LM's get_model wraps it: `Float16Module` for bf16/fp16 (half-precision
     weights, fp32 logits out), then megatron-core DDP (an fp32 grad buffer unless
-    --grad-reduce-in-bf16), or its FSDP2 / Megatron-FSDP wrapper (`fsdp.py`)."""
+    --grad-reduce-in-bf16; `disable_bucketing`: one bucket), or its FSDP2 / Megatron-FSDP wrapper
+    (`fsdp.py`; never with a virtual pipeline, which needs PP > 1)."""
     if model.bf16 or model.fp16:
         gpt = Float16Module(config, gpt)
     kwargs = ddp_config_kwargs(optimizer, performance)
@@ -174,7 +199,8 @@ def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: Tran
         return FullyShardedDataParallel(config=config, module=gpt,
                                         ddp_config=DistributedDataParallelConfig(**kwargs))
     return DistributedDataParallel(config=config, module=gpt,
-                                   ddp_config=DistributedDataParallelConfig(**kwargs))
+                                   ddp_config=DistributedDataParallelConfig(**kwargs),
+                                   disable_bucketing=disable_bucketing)
 
 
 def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig) -> dict:
@@ -184,12 +210,13 @@ def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig
                 **ddp_kwargs(performance))
 
 
-def gather_params(model: DistributedDataParallel, performance: PerformanceConfig) -> None:
+def gather_params(model, performance: PerformanceConfig) -> None:
     """With --overlap-param-gather the optimizer step updates only this rank's shard and leaves
     the all-gather to the next forward's hooks: finish it now, before a save reads the weights
-    (Megatron-LM's force_param_sync)."""
+    (Megatron-LM's force_param_sync), for each chunk."""
     if performance.overlap_param_gather:
-        model.start_param_sync(force_sync=True)
+        for chunk in model_chunks(model):
+            chunk.start_param_sync(force_sync=True)
 
 
 def build_scheduler(config: OptimizerConfig, optimizer) -> OptimizerParamScheduler:
@@ -218,13 +245,15 @@ def build_model_and_optimizer(config: RunConfig):
 
 
 def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
-    """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP) and, on
-    `mcore_config`, the hooks megatron-core's schedule calls (grad finalize, no_sync, fp16 loss
-    scale), as Megatron-LM's setup sets them."""
+    """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP, or its
+    chunks) and, on `mcore_config`, the hooks megatron-core's schedule calls (grad finalize,
+    no_sync: one per chunk with several, fp16 loss scale), as Megatron-LM's setup sets them."""
     optimizer = build_optimizer(config.optimizer, config.model, model, config.performance,
                                 config.logging.log_num_zeros_in_grad)
     mcore_config.finalize_model_grads_func = finalize_model_grads
-    mcore_config.no_sync_func = model.no_sync
+    chunks = model_chunks(model)
+    mcore_config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 \
+        else model.no_sync
     if config.model.fp16:
         mcore_config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, build_scheduler(config.optimizer, optimizer)

@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.optimizer import (
 from megatron.core.utils import to_local_if_dtensor
 from torch.distributed.tensor import DTensor
 
+from .chunks import model_chunks
 from .config.performance import PerformanceConfig, optimizer_kwargs
 from .fsdp import local_grad, sum_over_shards
 
@@ -46,7 +47,7 @@ def param_groups(model, mcore_config):
     the `max_lr` / `min_lr` / `wd_mult` the scheduler reads."""
     from megatron.core.optimizer import _get_param_groups
 
-    return _get_param_groups([model], mcore_config, None)
+    return _get_param_groups(model_chunks(model), mcore_config, None)
 
 
 class CpuAdamW:
@@ -156,4 +157,4 @@ def build_optimizer(config, model_config, model, performance=PerformanceConfig()
 
     mcore_config = dataclasses.replace(mcore_config, log_num_zeros_in_grad=log_num_zeros_in_grad,
                                        **optimizer_kwargs(performance))
-    return get_megatron_optimizer(mcore_config, [model])
+    return get_megatron_optimizer(mcore_config, model_chunks(model))

@@ -1,10 +1,11 @@
 """One optimizer step: forward and backward over the micro batches, gradient sync, the update.
 
-On GPU megatron-core's schedule (`get_forward_backward_func`: no pipelining, or 1F1B with PP > 1)
-runs the micro batches with our per-token loss function: each micro batch backpropagates
-Σ loss·mask, and `finalize_model_grads` (the config's `finalize_model_grads_func`) divides the
-gradients reduced over DP x SP by the step's Σ mask. On CPU `_cpu_forward_backward` does the same
-steps, because megatron-core's schedules allocate their token count on "cuda".
+megatron-core's schedule (`get_forward_backward_func`: no pipelining, 1F1B with PP > 1, or the
+interleaved 1F1B over the model chunks of a virtual pipeline, `training.chunks`) runs the micro
+batches with our per-token loss function: each micro batch backpropagates Σ loss·mask, and
+`finalize_model_grads` (the config's `finalize_model_grads_func`) divides the gradients reduced
+over DP x SP by the step's Σ mask. On CPU at PP 1 `_cpu_forward_backward` does the same steps
+(kept from before `cpu_compat` let the pipeline schedules allocate their token count there).
 """
 
 import contextlib
@@ -12,10 +13,12 @@ import functools
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state as mpu
 from megatron.core.distributed import finalize_model_grads
 
 from .. import cpu_compat
 from ..loss import global_mean, loss_func, masked_sum
+from .chunks import chunk_iterators, model_chunks
 from .config import TrainingConfig
 from .fsdp import local_grad
 
@@ -36,7 +39,7 @@ def forward_step(data_iterator, model):
 def _timer(model, name: str, log_level: int):
     """megatron-core's timer `name` around the block, as its schedules time themselves, when the
     training logger gave the model's config its `Timers` (Megatron-LM's `config.timers`)."""
-    timers = getattr(model.config, "timers", None)
+    timers = getattr(model_chunks(model)[0].config, "timers", None)
     if timers is None:
         yield
         return
@@ -70,13 +73,14 @@ def forward_backward(data_iterator, model, num_microbatches: int, micro_batch_si
     """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64),
     summed over micro batches (zeros off the last pipeline stage). `local_seq_length`: s/P
     after padding, the sequence length of one rank's activations."""
-    if not torch.cuda.is_available():
+    if not torch.cuda.is_available() and mpu.get_pipeline_model_parallel_world_size() == 1:
         with _timer(model, "forward-backward", 1):
             return _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only)
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     reports = get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=data_iterator, model=[model],
+        forward_step_func=forward_step, data_iterator=chunk_iterators(model, data_iterator),
+        model=model_chunks(model),
         num_microbatches=num_microbatches, seq_length=local_seq_length,
         micro_batch_size=micro_batch_size, forward_only=forward_only,
     )
@@ -95,8 +99,8 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool, check_loss: boo
     `NonFiniteError` on every rank when any rank's Σ loss·mask is NaN (`check_loss`: not with
     --rerun-mode disabled, as Megatron-LM's rerun machine then skips it) or (`check_grads`: no
     loss scaler, which would skip the step itself) any gradient holds NaN or Inf."""
-    grads = [(name, local_grad(param)) for name, param in model.named_parameters()
-             if check_grads and param.requires_grad]
+    grads = [(name, local_grad(param)) for chunk in model_chunks(model)
+             for name, param in chunk.named_parameters() if check_grads and param.requires_grad]
     grads = [(name, grad) for name, grad in grads if grad is not None]  # Megatron-FSDP: buffers
     nan_loss = torch.isnan(totals[0]) & check_loss
     finite = torch.stack([torch.isfinite(grad).all() for _, grad in grads]
@@ -125,12 +129,13 @@ def train_step(data_iterator, model, optimizer, scheduler, training: TrainingCon
     (--check-for-nan-in-loss-and-grad)."""
     if num_microbatches is None:
         num_microbatches = training.num_microbatches
-    model.zero_grad_buffer()
+    for chunk in model_chunks(model):
+        chunk.zero_grad_buffer()
     optimizer.zero_grad()
     totals = forward_backward(data_iterator, model, num_microbatches, training.micro_batch_size,
                               local_seq_length)
     if training.check_for_nan_in_loss_and_grad:
-        check_finite(totals, model, check_grads=not model.config.fp16,
+        check_finite(totals, model, check_grads=not model_chunks(model)[0].config.fp16,
                      check_loss=training.rerun_mode != "disabled")
     with _timer(model, "optimizer", 1):
         ok, grad_norm, num_zeros = optimizer.step()
@@ -142,12 +147,14 @@ def train_step(data_iterator, model, optimizer, scheduler, training: TrainingCon
 
 def evaluate(data_iterator, model, training: TrainingConfig, local_seq_length: int) -> float:
     """Mean per-token loss over `--eval-iters` batches of --eval-global-batch-size."""
-    model.eval()
+    for chunk in model_chunks(model):
+        chunk.eval()
     totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
     with torch.no_grad():
         for _ in range(training.eval_iters):
             totals += forward_backward(data_iterator, model, training.eval_num_microbatches,
                                        training.eval_micro_batch_size, local_seq_length,
                                        forward_only=True)
-    model.train()
+    for chunk in model_chunks(model):
+        chunk.train()
     return global_mean(totals)

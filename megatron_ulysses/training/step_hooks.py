@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
+from .chunks import model_chunks
 from .config import TrainingConfig
 
 
@@ -19,9 +20,10 @@ def weights_match_across_replicas(model) -> bool:
     weights) holds bit-identical parameters: SHA-1 digests gathered over the group. (megatron-
     core's `check_param_hashes_across_dp_replicas` does this on GPU; it moves them to CUDA.)"""
     digest = hashlib.sha1()
-    for name, param in model.named_parameters():
-        digest.update(name.encode())
-        digest.update(param.detach().float().cpu().numpy().tobytes())
+    for index, chunk in enumerate(model_chunks(model)):
+        for name, param in chunk.named_parameters(prefix=f"model{index}"):
+            digest.update(name.encode())
+            digest.update(param.detach().float().cpu().numpy().tobytes())
     mine = torch.tensor(list(digest.digest()), dtype=torch.uint8)
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
         else torch.device("cpu")

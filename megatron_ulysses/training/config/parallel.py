@@ -13,7 +13,7 @@ from ...parallel_state import TP_PP_DP_ORDER, ParallelDims
 from .checks import Context, check_range, require
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
-# GPU-only (PP > 1) pipeline flags whose values megatron-core's TransformerConfig takes as is.
+# Pipeline (PP > 1) flags whose values megatron-core's TransformerConfig and schedules take.
 # (--account-for-*-in-pipeline-split change nothing at PP 1, as in Megatron-LM.)
 _PIPELINE_ONLY = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                   "num_layers_per_virtual_pipeline_stage",
@@ -32,6 +32,11 @@ class PipelineFields:
     account_for_loss_in_pipeline_split: bool
     use_gloo_process_groups: bool
     use_tp_pp_dp_mapping: bool
+    # the virtual pipeline: model chunks per rank (None: one), derived from either flag
+    virtual_pipeline_model_parallel_size: Optional[int]
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int]
+    overlap_p2p_communication_warmup_flush: bool
+    overlap_p2p_comm: bool  # only the interleaved schedule overlaps, as in Megatron-LM
 
 
 def add_arguments(parser) -> None:
@@ -56,11 +61,11 @@ def add_arguments(parser) -> None:
                    help="rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp; Ulysses SP "
                    "groups stay blocks of consecutive data-parallel ranks")
     _add_pipeline_arguments(g)
+    parser.set_defaults(virtual_pipeline_model_parallel_size=None)  # `validate` derives it
 
 
 def _add_pipeline_arguments(g) -> None:
-    """Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1, which
-    needs CUDA here."""
+    """Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1."""
     for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
                  "--num-layers-per-virtual-pipeline-stage",
                  "--num-virtual-stages-per-pipeline-rank"):
@@ -70,6 +75,9 @@ def _add_pipeline_arguments(g) -> None:
                  "--account-for-loss-in-pipeline-split"):
         g.add_argument(flag, action="store_true")
     g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true")
+    g.add_argument("--no-overlap-p2p-communication", action="store_false",
+                   dest="overlap_p2p_comm", help="the interleaved schedule's sends and receives "
+                   "are batched instead of overlapped with compute (needs PP > 2)")
 
 
 def parallel_dims(args, world_size: int) -> ParallelDims:
@@ -114,13 +122,11 @@ def context_parallel_refusal(args) -> Optional[str]:
 
 def validate(args, ctx: Context) -> None:
     require(context_parallel_refusal(args) is None, str(context_parallel_refusal(args)))
-    require(ctx.cuda or ctx.dims.pp == 1,
-            f"--pipeline-model-parallel-size {ctx.dims.pp} needs CUDA (megatron-core's "
-            "pipeline schedules); use 1 on CPU")
     if ctx.dims.pp == 1:
         given = [flag_name(name) for name in _PIPELINE_ONLY if getattr(args, name)]
         require(not given, f"{', '.join(given)} need --pipeline-model-parallel-size > 1 (as in "
                 "Megatron-LM); drop them at pipeline size 1")
+        args.overlap_p2p_comm = False
         return
     _check_pipeline_layout(args, ctx.dims.pp)
 
@@ -145,26 +151,49 @@ def _check_pipeline_layout(args, pp: int) -> None:
     require(per_stage is None or not uneven, "uneven pipeline stages (--decoder-first/last-"
             "pipeline-num-layers) with a virtual pipeline need --num-virtual-stages-per-"
             "pipeline-rank, not --num-layers-per-virtual-pipeline-stage")
-    layers = args.num_layers + accounted
+    stages = _stage_layers(args, pp, uneven, args.num_layers + accounted)
+    if per_stage is not None:
+        require(stages[0] % per_stage == 0, f"the layers per pipeline stage ({stages[0]}) must "
+                f"be divisible by --num-layers-per-virtual-pipeline-stage ({per_stage})")
+        vpp = stages[0] // per_stage
+    require(vpp is None or all(layers % vpp == 0 for layers in stages),
+            f"--num-virtual-stages-per-pipeline-rank {vpp} must divide the layers of every "
+            f"pipeline stage ({', '.join(map(str, stages))}, the embedding / loss counted as "
+            "layers), as megatron-core splits them")
+    # One chunk per rank is the plain pipeline (Megatron-LM's --num-layers-per-virtual-pipeline-
+    # stage equal to the layers per stage builds no chunks either).
+    args.virtual_pipeline_model_parallel_size = vpp if vpp and vpp > 1 else None
+    _check_interleaving(args, pp)
+
+
+def _check_interleaving(args, pp: int) -> None:
+    """Megatron-LM's rules for the interleaved schedule's flags; only it overlaps its p2p."""
+    interleaved = args.virtual_pipeline_model_parallel_size is not None
+    require(interleaved or not (args.microbatch_group_size_per_virtual_pipeline_stage
+                                or args.overlap_p2p_communication_warmup_flush),
+            "--microbatch-group-size-per-virtual-pipeline-stage and --overlap-p2p-"
+            "communication-warmup-flush need a virtual pipeline")
+    require(not interleaved or args.overlap_p2p_comm or pp > 2,
+            f"--no-overlap-p2p-communication with a virtual pipeline needs --pipeline-model-"
+            f"parallel-size > 2 (got {pp}): at 2 one batch would send and receive twice between "
+            "the same two ranks (Megatron-LM's rule); drop the flag")
+    require(args.overlap_p2p_comm or not args.overlap_p2p_communication_warmup_flush,
+            "--overlap-p2p-communication-warmup-flush needs the overlapped p2p communication; "
+            "drop --no-overlap-p2p-communication")
+    args.overlap_p2p_comm = interleaved and args.overlap_p2p_comm
+
+
+def _stage_layers(args, pp: int, uneven: dict, layers: int) -> list:
+    """The layers of each pipeline stage (the embedding / loss counted as `layers` has them)."""
     if uneven:
         rest, middle = layers - sum(uneven.values()), pp - len(uneven)
         given = " and ".join(f"{flag_name(name)} {value}" for name, value in uneven.items())
         require(rest == 0 if middle == 0 else rest >= middle and rest % middle == 0,
                 f"--num-layers {args.num_layers} minus {given} leaves {rest} layers for the "
                 f"other {middle} pipeline stages: they must split evenly, at least one each")
-    else:
-        require(layers % pp == 0, f"--num-layers ({args.num_layers}, plus the embedding / loss "
-                f"counted as layers) must be divisible by --pipeline-model-parallel-size ({pp})")
-        require(per_stage is None or (layers // pp) % per_stage == 0,
-                f"the layers per pipeline stage ({layers // pp}) must be divisible by "
-                f"--num-layers-per-virtual-pipeline-stage ({per_stage})")
-        if per_stage is not None:
-            vpp = layers // pp // per_stage
-    require(vpp is None or vpp == 1, f"a virtual pipeline ({vpp} stages per rank) needs the "
-            "interleaved schedule's model chunks, which this package does not build yet; drop "
-            "--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank")
-    require(not (args.microbatch_group_size_per_virtual_pipeline_stage
-                 or args.overlap_p2p_communication_warmup_flush),
-            "--microbatch-group-size-per-virtual-pipeline-stage and --overlap-p2p-"
-            "communication-warmup-flush need a virtual pipeline")
+        return list(uneven.values()) + [rest // middle] * middle if middle else \
+            list(uneven.values())
+    require(layers % pp == 0, f"--num-layers ({args.num_layers}, plus the embedding / loss "
+            f"counted as layers) must be divisible by --pipeline-model-parallel-size ({pp})")
+    return [layers // pp] * pp
 

@@ -46,6 +46,27 @@ def validate(args, ctx: Context) -> None:
             "also keeps documents from attending to each other; add --reset-attention-mask "
             "or drop --reset-position-ids")
     _check_exits_and_saves(args, ctx)
+    _check_microbatch_groups(args, ctx)
+
+
+def _check_microbatch_groups(args, ctx: Context) -> None:
+    """The interleaved schedule runs the micro batches M of a step (training's and evaluation's)
+    in groups of G (--microbatch-group-size-per-virtual-pipeline-stage, default PP) per virtual
+    stage: megatron-core raises at the first step unless PP <= G <= M and the last group is
+    full or at least PP."""
+    if args.virtual_pipeline_model_parallel_size is None:
+        return
+    pp = ctx.dims.pp
+    group = args.microbatch_group_size_per_virtual_pipeline_stage or pp
+    runs = [("--global-batch-size", args.num_microbatches)]
+    if args.eval_iters:
+        runs.append(("--eval-global-batch-size", args.eval_num_microbatches))
+    for flag, m in runs:
+        require(pp <= group <= m and (m % group == 0 or m % group >= pp),
+                f"the interleaved schedule runs {flag}'s {m} micro batches per step in groups "
+                f"of {group} (--microbatch-group-size-per-virtual-pipeline-stage, default "
+                f"--pipeline-model-parallel-size {pp}): it needs {pp} <= group <= {m} and the "
+                f"last group full or at least {pp}; change {flag} or the group size")
 
 
 def _check_splits_against_run(args, ctx: Context) -> None:
