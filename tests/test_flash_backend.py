@@ -3,12 +3,13 @@ refusals, each one ConfigError naming the flag (the GPU, flash-attn-4 and CUDA m
 rule, not the import, is tested), `auto` never picking it, and `backends.FlashAttention`'s
 plumbing (bshd views, native GQA, packed documents as varlen over `[b*s]`, the deterministic
 flag) against plain attention, with FA4's two entries replaced by fp32 SDPA fakes that check
-what FA4 checks. tests/gpu/test_flash_backend.py runs the real kernels."""
+what FA4 checks. tests/gpu/test_flash_backend_gpu.py runs the real kernels."""
 
 from unittest import mock
 
 import pytest
 import torch
+import test_perf_flags as perf_flags
 import torch.nn.functional as F
 from attention_reference import reference_attention
 from megatron.core.transformer import TransformerConfig
@@ -18,29 +19,20 @@ from megatron_ulysses.head_layout import HeadLayout
 from megatron_ulysses.training import arguments
 from megatron_ulysses.training.arguments import ConfigError, parse_args
 from megatron_ulysses.training.config import model as model_section
-from megatron_ulysses.training.config import performance
 
-BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
-        "--seq-length", "64", "--micro-batch-size", "2", "--lr", "1e-3", "--train-iters", "3",
-        "--mock-data", "--vocab-size", "256"]
 FLASH = ["--ulysses-attention-backend", "flash", "--bf16", "--attention-dropout", "0"]
 
 
 def on_gpu(argv, capability=(9, 0)):
-    """`validate_args` as on a GPU node with TE and flash-attn-4 (the GPU's generation mocked)."""
-    with mock.patch.object(model_section, "te_available", return_value=True), \
-            mock.patch.object(model_section, "resolve_backend", side_effect=lambda name: name), \
-            mock.patch.object(performance, "te_available", return_value=True), \
-            mock.patch("torch.cuda.get_device_capability", return_value=capability), \
-            mock.patch("megatron.core.utils.is_te_min_version", return_value=True):
-        args = arguments.build_parser().parse_args(BASE + argv)
-        return arguments.validate_args(args, world_size=1, cuda=True).model
+    """The model section as `validate_args` makes it on a GPU node with TE and flash-attn-4
+    (test_perf_flags' mocks; the GPU's generation mocked too)."""
+    return perf_flags.on_gpu(argv, capability=capability).model
 
 
 @pytest.mark.skipif(backends.flash_import_error() is None, reason="flash-attn-4 is installed")
 def test_missing_flash_attn_4_is_one_error_saying_what_to_install():
     with pytest.raises(ConfigError) as error:
-        parse_args(BASE + FLASH, world_size=1)
+        parse_args(perf_flags.BASE + FLASH, world_size=1)
     message = str(error.value)
     assert message.startswith("--ulysses-attention-backend flash needs flash-attn-4: pip install")
     assert "megatron_ulysses[flash]" in message and backends.FLASH_ATTN_4 in message
@@ -106,7 +98,7 @@ def test_what_fa4_cannot_run_is_one_error_naming_the_flag(argv, capability, mess
 
 
 def test_flash_on_cpu_is_refused_by_the_config():
-    args = arguments.build_parser().parse_args(BASE + FLASH[:2] + ["--attention-dropout", "0"])
+    args = arguments.build_parser().parse_args(perf_flags.BASE + FLASH[:2] + ["--attention-dropout", "0"])
     with mock.patch.object(model_section, "resolve_backend", side_effect=lambda name: name), \
             pytest.raises(ConfigError, match="--ulysses-attention-backend flash needs CUDA"):
         arguments.validate_args(args, world_size=1, cuda=False)
