@@ -156,13 +156,11 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                              optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
                              global_batch_size=batch)
         hooks.after_step(iteration, model)
-        if iteration == start + 1 and sharding_strategy(config.performance):
-            log_rank_bytes(model, optimizer, sharding_strategy(config.performance))
+        if iteration == start + 1 and (strategy := sharding_strategy(config.performance)):
+            log_rank_bytes(model, optimizer, strategy)
         if valid_batches is not None and iteration % training.eval_interval == 0:
             _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
-        reason = exit_request.reason()
-        stop = reason is not None or bool(training.exit_interval
-                                          and iteration % training.exit_interval == 0)
+        stop, reason = _stop_after(iteration, training, exit_request)
         interval = checkpoint.save_interval and iteration % checkpoint.save_interval == 0
         if checkpoint.save and (stop or interval):
             save()
@@ -176,6 +174,14 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     saver.close()
     hooks.close()
     logger.close()
+
+
+def _stop_after(iteration: int, training, exit_request: ExitRequest):
+    """(stop, reason): the run stops after `iteration` on `exit_request` (its reason) or at
+    --exit-interval (no reason)."""
+    reason = exit_request.reason()
+    return reason is not None or bool(training.exit_interval
+                                      and iteration % training.exit_interval == 0), reason
 
 
 def _validate(iteration: int, valid_batches, model, training, local_seq: int, logger,

@@ -145,6 +145,36 @@ def optimizer_kwargs(perf: PerformanceConfig) -> dict:
 
 def add_arguments(parser) -> None:
     g = parser.add_argument_group("performance (GPU; Megatron-LM's flags and meanings)")
+    _add_fp8_arguments(g)
+    g.add_argument("--overlap-param-gather", action="store_true",
+                   help="the distributed optimizer's param all-gather overlaps the next "
+                   "forward (needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
+                   help="needs interleaved pipeline parallelism, which is not built here")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
+    g.add_argument("--ddp-average-in-collective", action="store_true",
+                   help="accepted: the gradient is always summed over DP x SP and divided by "
+                   "the global batch's token count (per-token loss), so where the division "
+                   "happens does not change it")
+    _add_optimizer_arguments(g)
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="TE userbuffers TP overlap: validated, not wired yet (refused)")
+    g.add_argument("--tp-comm-overlap-cfg", default=None,
+                   help="with --tp-comm-overlap: the userbuffers YAML")
+    g.add_argument("--cuda-graph-impl", choices=("none", "local", "transformer_engine",
+                                                 "full_iteration"), default="none",
+                   help="CUDA graphs: only none (the others are not wired)")
+    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
+                   help="PP > 1: the output layer's weight-gradient GEMMs run in the pipeline "
+                   "flush (needs gradient-accumulation fusion)")
+    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
+                   help="micro batches whose output-layer wgrad is deferred (0: all)")
+    _add_fsdp_arguments(g)
+
+
+def _add_fp8_arguments(g) -> None:
+    """Transformer Engine's FP8 GEMMs and attention."""
     g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None,
                    help="FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
                    "transformer_engine and --bf16/--fp16); hybrid: e4m3 forward, e5m2 backward")
@@ -163,17 +193,11 @@ def add_arguments(parser) -> None:
     g.add_argument("--fp8-dot-product-attention", action="store_true",
                    help="FP8 core attention between the two all-to-alls (TE's kernel: "
                    "--ulysses-attention-backend te only)")
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="the distributed optimizer's param all-gather overlaps the next "
-                   "forward (needs --use-distributed-optimizer and --overlap-grad-reduce)")
-    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="needs interleaved pipeline parallelism, which is not built here")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
-    g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="accepted: the gradient is always summed over DP x SP and divided by "
-                   "the global batch's token count (per-token loss), so where the division "
-                   "happens does not change it")
+
+
+def _add_optimizer_arguments(g) -> None:
+    """The distributed optimizer's instances, the precision-aware optimizer and megatron-core's
+    CPU offload (HybridDeviceOptimizer)."""
     g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
                    help="shard the distributed optimizer over DP x SP / N ranks, N replicas")
     g.add_argument("--use-precision-aware-optimizer", action="store_true",
@@ -192,19 +216,6 @@ def add_arguments(parser) -> None:
                    help="with --optimizer-cpu-offload: pageable host gradient copies")
     g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
                    help="with --optimizer-cpu-offload: pageable host parameter copies")
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="TE userbuffers TP overlap: validated, not wired yet (refused)")
-    g.add_argument("--tp-comm-overlap-cfg", default=None,
-                   help="with --tp-comm-overlap: the userbuffers YAML")
-    g.add_argument("--cuda-graph-impl", choices=("none", "local", "transformer_engine",
-                                                 "full_iteration"), default="none",
-                   help="CUDA graphs: only none (the others are not wired)")
-    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
-                   help="PP > 1: the output layer's weight-gradient GEMMs run in the pipeline "
-                   "flush (needs gradient-accumulation fusion)")
-    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
-                   help="micro batches whose output-layer wgrad is deferred (0: all)")
-    _add_fsdp_arguments(g)
 
 
 def _add_fsdp_arguments(g) -> None:
