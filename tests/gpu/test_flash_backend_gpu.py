@@ -36,7 +36,7 @@ from test_sp_on_one_gpu import (  # noqa: E402
     BF16_REL, B, S, SEED, V, _config, _on_gpu, _rel, _reference_attention, _report, _run,
     _samples,
 )
-from test_trainer import MOCK, MODEL, RUN, Run, _close, _wave  # noqa: E402
+from test_trainer import MOCK, MODEL, RUN, Run, _close, _wave, packed_documents  # noqa: E402
 
 from megatron_ulysses import cpu_compat  # noqa: E402
 from megatron_ulysses import parallel_state as ps  # noqa: E402
@@ -214,10 +214,7 @@ def test_gpt_model_flash_matches_te_at_sp_1_2_4():
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sp_model, corpus_prefix):
     work = tmp_path_factory.mktemp("flash_runs")
-    packed = ["--data-path", corpus_prefix, "--split", "90,10,0", "--tokenizer-type",
-              "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--reset-position-ids",
-              "--reset-attention-mask", "--eod-mask-loss", "--seq-length", "1024",
-              "--data-cache-path", str(work / "cache")]
+    packed = packed_documents(corpus_prefix, sp_model, work / "cache")
     flash = ["--ulysses-attention-backend", "flash"]
     te = ["--ulysses-attention-backend", "te"]
     deterministic = ["--deterministic-mode", "--use-distributed-optimizer", *flash]

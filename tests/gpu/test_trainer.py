@@ -115,13 +115,19 @@ def _wave(runs):
     return {run.name: run for run in runs}
 
 
+def packed_documents(corpus_prefix, sp_model, cache) -> list:
+    """The bundled corpus as packed documents of 1024 tokens (real text, each document its own
+    positions and attention), its index cache in `cache`."""
+    return ["--data-path", corpus_prefix, "--split", "90,10,0", "--tokenizer-type",
+            "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--reset-position-ids",
+            "--reset-attention-mask", "--eod-mask-loss", "--seq-length", "1024",
+            "--data-cache-path", str(cache)]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, sp_model, corpus_prefix):
     work = tmp_path_factory.mktemp("gpu_runs")
-    packed = ["--data-path", corpus_prefix, "--split", "90,10,0", "--tokenizer-type",
-              "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model, "--reset-position-ids",
-              "--reset-attention-mask", "--eod-mask-loss", "--seq-length", "1024",
-              "--data-cache-path", str(work / "cache")]
+    packed = packed_documents(corpus_prefix, sp_model, work / "cache")
     recompute = ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     first = [
         Run("te", [*MODEL, *RUN, *MOCK, *DETERMINISTIC, "--ulysses-attention-backend", "te",
