@@ -98,10 +98,10 @@ def params_l2_norm(model) -> float:
     shards are). `model`: the model or its virtual pipeline chunks."""
     squares = sum_over_shards([(param, param.detach()) for chunk in model_chunks(model)
                                for param in chunk.parameters()],
-                              lambda shard: shard.double().pow(2).sum()).cpu()  # one sync
-    if dist.is_initialized():
+                              lambda shard: shard.double().pow(2).sum())
+    if dist.is_initialized():  # on the parameters' device: NCCL reduces no CPU tensor
         dist.all_reduce(squares, group=mpu.get_model_parallel_group())
-    return math.sqrt(squares.item())
+    return math.sqrt(squares.item())  # one sync
 
 
 def memory_stats() -> dict:
