@@ -5,14 +5,11 @@ bench/attention_overhead.py (each SP rank's attention time for its own head coun
 
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench_run import run_bench
+
 VARIANTS = ("stock", "ours", "ours-full-tiled")
 CATEGORIES = {"communication", "norm", "attention", "optimizer", "loss", "gemm", "rope", "memcpy",
               "elementwise", "other"}
@@ -20,13 +17,9 @@ CATEGORIES = {"communication", "norm", "attention", "optimizer", "loss", "gemm",
 
 def test_mfu_rows_summary_and_step0_loss(tmp_path):
     out = tmp_path / "mfu.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "mfu.py"), "--preset", "tiny",
-         "--backend", "local", "--seqs", "64", "--tokens-per-step", "128",
-         "--variants", ",".join(VARIANTS), "--warmup", "1", "--iters", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("mfu.py", "--preset", "tiny", "--backend", "local", "--seqs", "64",
+                    "--tokens-per-step", "128", "--variants", ",".join(VARIANTS), "--warmup", "1",
+                    "--iters", "1", "--json", out)
     results = json.loads(out.read_text())
     rows = {row["key"]: row for row in results["rows"]}
     assert sorted(rows) == sorted(VARIANTS)
@@ -49,12 +42,8 @@ def test_mfu_rows_summary_and_step0_loss(tmp_path):
 
 def test_profile_step_categories_add_up(tmp_path):
     out = tmp_path / "profile.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "profile_step.py"), "--preset", "tiny",
-         "--backend", "local", "--seq", "64", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("profile_step.py", "--preset", "tiny", "--backend", "local", "--seq", "64",
+                    "--json", out)
     results = json.loads(out.read_text())
     categories = {row["category"]: row for row in results["categories"]}
     assert set(categories) == CATEGORIES and len(results["categories"]) == len(CATEGORIES)
@@ -70,13 +59,9 @@ def test_profile_step_categories_add_up(tmp_path):
 
 def test_attention_overhead_uneven_heads_rows(tmp_path):
     out = tmp_path / "uneven.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "attention_overhead.py"), "--uneven",
-         "7/7@4,28/4@8", "--seqs", "64", "--head-dim", "8", "--backends", "sdpa,local",
-         "--warmup", "0", "--iters", "1", "--rounds", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_bench("attention_overhead.py", "--uneven", "7/7@4,28/4@8", "--seqs", "64", "--head-dim",
+              "8", "--backends", "sdpa,local", "--warmup", "0", "--iters", "1", "--rounds", "1",
+              "--json", out)
     rows = json.loads(out.read_text())["uneven_rows"]
     assert [(r["case"], r["backend"]) for r in rows] == [
         ("7/7@4", "sdpa"), ("7/7@4", "local"), ("28/4@8", "sdpa"), ("28/4@8", "local")]

@@ -3,22 +3,14 @@ against torch SDPA's math kernel, both modes timed, and backends that cannot run
 no GPU) reported without stopping the run."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from bench_run import run_bench
 
 
 def test_flash_attention_bench_on_cpu(tmp_path):
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "flash_attention.py"), "--backends",
-         "sdpa-math,fa4,te", "--shapes", "4/2/8,3/1/16", "--seqs", "48", "--check-seq", "40",
-         "--warmup", "0", "--iters", "1", "--rounds", "1", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run_bench("flash_attention.py", "--backends", "sdpa-math,fa4,te", "--shapes", "4/2/8,3/1/16",
+              "--seqs", "48", "--check-seq", "40", "--warmup", "0", "--iters", "1", "--rounds",
+              "1", "--out", tmp_path)
     results = json.loads((tmp_path / "flash_attention.json").read_text())
     checks = {row["shape"]: row for row in results["checks"] if row["backend"] == "sdpa-math"}
     assert sorted(checks) == ["3/1/16", "4/2/8"]

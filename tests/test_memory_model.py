@@ -9,12 +9,12 @@ silu(gate) and a copy of up (+ glu_linear_offset), fc2 its input [ffn].
 """
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from bench_run import run_bench
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("none", "selective", "full", "full-tiled-mlp", "tiled-mlp", "tiled-loss", "full-all")
@@ -24,13 +24,9 @@ E = 4  # fp32 on CPU
 
 def run_script(tmp_path, backend, variants):
     out = tmp_path / f"memory_{backend}.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "memory_model.py"), "--preset", "tiny",
-         "--backend", backend, "--seq", str(S1), "--offload-min-bytes", "0",
-         "--variants", ",".join(variants), "--json", str(out)],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_bench("memory_model.py", "--preset", "tiny", "--backend", backend, "--seq", S1,
+                    "--offload-min-bytes", "0", "--variants", ",".join(variants), "--json", out,
+                    timeout=180)
     results = json.loads(out.read_text())
     rows = {(row["key"], row["s"]): row for row in results["rows"]}
     for row in rows.values():
@@ -336,10 +332,7 @@ def test_offloaded_activations_take_power_of_two_pinned_blocks(mm):
 
 def test_strategies_cli_prints_plans_within_the_budgets(tmp_path):
     out = tmp_path / "strategies.json"
-    run = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "bench" / "memory_model.py"), "--strategies",
-         "--json", str(out)], capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0, run.stderr[-3000:]
+    run = run_bench("memory_model.py", "--strategies", "--json", out)
     assert "### Per-GPU model + optimizer state (GiB)" in run.stdout
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 2 * 2 * 6  # models x layouts x strategies
