@@ -6,13 +6,19 @@ interleaved 1F1B schedule over model chunks, on CPU over gloo.
   same micro batches.
 - Its checkpoint (Megatron-LM's "model0" / "model1" keys) resumes to the uninterrupted run's
   digits (torchrun); a run with other chunks than the checkpoint's is told which flag differs.
+- --overlap-grad-reduce at PP 2 x VPP 2 x SP 2: the schedule starts each chunk's reduction
+  (Megatron-LM's aligned grad_sync_func), bitwise the synchronous run's digits; the sync
+  functions follow Megatron-LM's flags (--no-align-grad-reduce, --no-align-param-gather).
 - A bad layout is one ConfigError (Megatron-LM's rules).
 """
 
+import dataclasses
+import functools
 import os
 import re
 import subprocess
 import sys
+import types
 import zlib
 
 import pytest
@@ -85,14 +91,33 @@ def _train(rank, world_size, argv, out):
     steps = [train_step(batches, model, optimizer, scheduler, config.training, local_seq)[:2]
              for _ in range(STEPS)]
     if rank == 0:
-        out.put(steps)
+        out.put((steps, _sync_funcs(model)))
     destroy_model_parallel()
 
 
-def _run(world_size: int, argv: list) -> list:
+def _sync_funcs(model) -> dict:
+    """What megatron-core's schedule calls for DP communication: for each of the config's
+    no_sync / grad_sync / param_sync functions None, or [(method name, is it its chunk's)]."""
+    chunks = model_chunks(model)
+    described = {}
+    for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
+        funcs = getattr(chunks[0].config, name)
+        funcs = funcs if funcs is None or isinstance(funcs, list) else [funcs]
+        described[name] = None if funcs is None else [
+            (func.__name__, func.__self__ is chunk) for func, chunk in zip(funcs, chunks)]
+    return described
+
+
+@functools.lru_cache(maxsize=None)
+def _run_with_funcs(world_size: int, argv: tuple):
+    """(per step (loss, grad norm), `_sync_funcs`) of rank 0; each run once per session."""
     queue = torch.multiprocessing.get_context("spawn").Queue()
-    spawn(_train, world_size, argv, queue)
+    spawn(_train, world_size, list(argv), queue)
     return queue.get(timeout=5)
+
+
+def _run(world_size: int, argv: list) -> list:
+    return _run_with_funcs(world_size, tuple(argv))[0]
 
 
 def test_pp2_vpp2_logs_pp1s_losses_and_grad_norms_at_sp1_and_sp2():
@@ -105,6 +130,63 @@ def test_pp2_vpp2_logs_pp1s_losses_and_grad_norms_at_sp1_and_sp2():
             assert loss == pytest.approx(ref_loss, rel=1e-5), (sp, got, reference)
             assert norm == pytest.approx(ref_norm, rel=1e-4), (sp, got, reference)
     assert reference[0][0] != pytest.approx(reference[-1][0], rel=1e-3)  # it trained
+
+
+def test_overlapped_grad_reduce_started_by_the_schedule_logs_the_same_digits():
+    """--overlap-grad-reduce at PP 2 x VPP 2 x SP 2 (DP x SP = 2): megatron-core's
+    interleaved schedule starts each chunk's asynchronous reduction (`grad_sync_func`,
+    Megatron-LM's aligned default), bitwise the digits of the synchronous reduction."""
+    layout = (*VPP, "--ulysses-sp-size", "2")
+    plain, plain_funcs = _run_with_funcs(4, layout)
+    overlapped, funcs = _run_with_funcs(4, (*layout, "--overlap-grad-reduce"))
+    assert overlapped == plain
+    assert funcs == {"no_sync_func": [("no_sync", True)] * 2,
+                     "grad_sync_func": [("start_grad_sync", True)] * 2, "param_sync_func": None}
+    assert plain_funcs == {**funcs, "grad_sync_func": None}
+
+
+def _flags(*argv) -> tuple:
+    config = parse_args(MODEL + VPP + list(argv), world_size=2)
+    return config.optimizer, config.performance
+
+
+@pytest.mark.parametrize("argv, chunks, expected", [
+    ((), 2, {"no_sync_func": "no_sync"}),
+    (("--overlap-grad-reduce",), 2,
+     {"no_sync_func": "no_sync", "grad_sync_func": "start_grad_sync"}),
+    (("--overlap-grad-reduce", "--no-align-grad-reduce"), 2, {"no_sync_func": "no_sync"}),
+    (("--overlap-grad-reduce", "--disable-align-grad-reduce"), 1, {"no_sync_func": "no_sync"}),
+    (("--overlap-grad-reduce",), 1,
+     {"no_sync_func": "no_sync", "grad_sync_func": "start_grad_sync"}),
+])
+def test_the_sync_funcs_follow_megatron_lms_flags(argv, chunks, expected):
+    """`set_sync_funcs` on stand-in chunks: a list per chunk for several, one function for one
+    model; --overlap-param-gather (GPU: the distributed optimizer) adds `param_sync_func` only
+    where `align_param_gather` holds (the performance section's rule: a virtual pipeline)."""
+    from megatron_ulysses.training.model import set_sync_funcs
+
+    class Chunk:
+        def no_sync(self): ...
+        def start_grad_sync(self): ...
+        def start_param_sync(self): ...
+
+    model = [Chunk() for _ in range(chunks)] if chunks > 1 else Chunk()
+    optimizer, performance = _flags(*argv)
+    for gather, aligned in ((False, True), (True, False), (True, True)):
+        config = types.SimpleNamespace(no_sync_func=None, grad_sync_func=None,
+                                       param_sync_func=None)
+        set_sync_funcs(config, model, optimizer, dataclasses.replace(
+            performance, overlap_param_gather=gather, align_param_gather=aligned))
+        wanted = {**expected, **({"param_sync_func": "start_param_sync"}
+                                 if gather and aligned else {})}
+        for name in ("no_sync_func", "grad_sync_func", "param_sync_func"):
+            funcs = getattr(config, name)
+            if name not in wanted:
+                assert funcs is None, (name, argv)
+                continue
+            funcs = funcs if chunks > 1 else [funcs]
+            assert [(f.__name__, f.__self__) for f in funcs] == \
+                [(wanted[name], chunk) for chunk in model_chunks(model)], (name, argv)
 
 
 def _torchrun(nproc: int, *flags: str):
