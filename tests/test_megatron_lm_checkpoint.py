@@ -392,8 +392,9 @@ def _load_vpp_cases(rank, world, root):
     from megatron_ulysses.training.chunks import model_chunks
 
     for layout in VPP_LAYOUTS[world]:
-        argv = RUN + ["--load", root, "--no-load-optim", "--pipeline-model-parallel-size",
-                      str(world)] + layout
+        # --use-checkpoint-args takes its shape, not its pipeline size (as Megatron-LM)
+        pp = ["--pipeline-model-parallel-size", str(world)] if world > 1 else []
+        argv = RUN + ["--load", root, "--no-load-optim"] + pp + layout
         config, model, optimizer, scheduler = build_run(argv, world)
         assert len(model_chunks(model)) == (2 if layout else 1)
         assert load_checkpoint(root, model, optimizer, scheduler, config) == (SAVED_AT, 20)

@@ -158,8 +158,8 @@ def add_arguments(parser) -> None:
                    "stage starts its all-gathers as its forward needs them, instead of the "
                    "interleaved schedule starting every stage's at the same point (the default)")
     g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="refused as in Megatron-LM: it does not save torch_dist checkpoints, "
-                   "this package's only format")
+                   help="refused, as Megatron-LM refuses it with torch_dist checkpoints (this "
+                   "package's only format)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
     g.add_argument("--ddp-average-in-collective", action="store_true",
