@@ -382,8 +382,9 @@ VPP_LAYOUTS = {  # world size -> the layouts our run loads the PP 2 x VPP 2 chec
 
 
 def _load_vpp_cases(rank, world, root):
-    """Each of `VPP_LAYOUTS[world]` loads every weight of its chunks bitwise (the global
-    layer numbers and the tied output layer mapped as Megatron-LM's keys are)."""
+    """Each of `VPP_LAYOUTS[world]` loads every weight of its chunks bitwise: the saver's
+    `weight` of the parameter's global name (its layer's global number; the tied output layer
+    as the embedding)."""
     from test_checkpointing import build_run
     from test_virtual_pipeline import global_name, weight
 

@@ -216,9 +216,10 @@ def _logged(result) -> dict:
 
 
 def test_a_chunked_checkpoint_resumes_to_the_uninterrupted_runs_digits(tmp_path):
-    """Also at PP 1 (one model, one process): the loss, grad norm and params norm of the
-    uninterrupted PP 2 x VPP 2 run, to PP 1's precision (the weights, Adam moments and LR
-    schedule load at any pipeline layout)."""
+    """A PP 2 x VPP 2 run saved at iteration 2 resumes to the uninterrupted run's digits, and
+    at PP 1 (one model, one process) logs its loss, grad norm and params norm of iteration 3
+    to PP 1's precision (the weights, Adam moments and LR schedule load at any pipeline
+    layout)."""
     flags = ["--train-iters", "4", "--save-interval", "2", "--eval-interval", "2",
              "--eval-iters", "1"]
     runs = [_torchrun(2, *VPP, *flags, "--save", str(tmp_path / "a")),
