@@ -60,7 +60,8 @@ def build_run(argv, world: int):
     config = parse_args(list(argv), world_size=world)
     config = config.with_padded_vocab_size(padded_vocab_size(
         config.data.vocab_size, config.model.make_vocab_size_divisible_by, config.dims.tp))
-    ps.initialize_model_parallel(dims=config.dims)
+    ps.initialize_model_parallel(dims=config.dims, virtual_pipeline_model_parallel_size=(
+        config.model.virtual_pipeline_model_parallel_size))
     cpu_compat.model_parallel_manual_seed(config.training.seed)
     model = builders.build_model(config.model, config.optimizer, config.training.seed,
                                  builders.transformer_config(config.model, config.dims))

@@ -14,6 +14,10 @@ field names (torch dtypes, AttnBackend, ModelType, the exit signal), numpy RNG s
 - `read_checkpoint_args` gives our args dict (renamed args mapped).
 - A payload in its common.pt or in its rng_state ShardedObject is refused, naming the file.
 - pretrain_gpt.py resumes it with --use-checkpoint-args at SP 1 and SP 2 with equal losses.
+- A PP 2 x VPP 2 checkpoint (`model0`, `model1`: megatron-core GPTModels built per `vp_stage`
+  on 2 gloo processes) loads every weight bitwise at PP 2 x VPP 2, PP 2 and PP 1; its legacy
+  torch-format twin (`mp_rank_00_00x/model_optim_rng.pt`) is refused unread, naming Megatron-LM's
+  conversion flags.
 """
 
 import argparse
@@ -78,22 +82,36 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
     return argparse.Namespace(**values)
 
 
-def _mcore_gpt():
-    """A megatron-core GPTModel of SHAPE with megatron-core's local spec (Megatron-LM's
-    --transformer-impl local), weights moved off their initialization."""
+def _mcore_gpt(num_layers: int = 2, vp_stage=None, **layout):
+    """A megatron-core GPTModel of SHAPE (but `num_layers`) with megatron-core's local spec
+    (Megatron-LM's --transformer-impl local); `vp_stage` and `layout` (TransformerConfig's
+    pipeline fields): the chunk of this pipeline rank's virtual stage, as Megatron-LM's
+    get_model builds it."""
     import torch.nn.functional as F
+    from megatron.core import parallel_state as mpu
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
+    from megatron_ulysses import cpu_compat
+
     config = TransformerConfig(
-        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
+        num_layers=num_layers, hidden_size=64, ffn_hidden_size=128, num_attention_heads=8,
         num_query_groups=2, kv_channels=8, normalization="RMSNorm", gated_linear_unit=True,
         activation_func=F.silu, add_bias_linear=False, hidden_dropout=0.0,
-        attention_dropout=0.0, use_cpu_initialization=True)
-    model = GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=256,
-                     max_sequence_length=64, position_embedding_type="rope",
-                     share_embeddings_and_output_weights=True)
+        attention_dropout=0.0, use_cpu_initialization=True, **layout)
+    stage = {} if vp_stage is None else dict(
+        vp_stage=vp_stage,
+        pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage))
+    with cpu_compat.tensors_stay_on_cpu():  # its tied output layer's all-reduce (PP > 1)
+        return GPTModel(config, get_gpt_layer_local_spec(normalization="RMSNorm"),
+                        vocab_size=256, max_sequence_length=64, position_embedding_type="rope",
+                        share_embeddings_and_output_weights=True, **stage)
+
+
+def _moved_off_init(model):
+    """`model`, its weights moved off their initialization."""
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for param in model.parameters():
@@ -125,21 +143,14 @@ def _rng_state() -> dict:
             "rng_tracker_states": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
 
-def _save_megatron_lm(rank, world, root, weights_file):
-    """Megatron-LM's save_checkpoint at iteration SAVED_AT, TP 1 x PP 1 x DP 1."""
+def _save(rank, world, root, args, models: dict) -> None:
+    """Megatron-LM's save_checkpoint at iteration SAVED_AT (TP 1, DP 1: every rank a pipeline
+    stage) of `models` (its state key -> this rank's GPTModel), `args` its Namespace."""
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as mpu
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
 
-    from megatron_ulysses import cpu_compat
-
-    cpu_compat.install()
-    mpu.initialize_model_parallel()
-    cpu_compat.model_parallel_manual_seed(1234)
-    model = _mcore_gpt()
-    torch.save({k: v for k, v in model.state_dict().items() if "_extra_state" not in k},
-               weights_file)
     rerun_sharded = {"rerun_requested": False, "checkpoint_requested": False,
                      "restart_again_requested": False, "continue_requested": False,
                      "error_injector_checkpoint": {
@@ -150,24 +161,103 @@ def _save_megatron_lm(rank, world, root, weights_file):
                      "suspicious_node": None, "suspicious_device": None,
                      "data_iterator_checkpoints": None, "large_value_counts": {},
                      "max_values": {}}
+    pp_rank, pp = mpu.get_pipeline_model_parallel_rank(), \
+        mpu.get_pipeline_model_parallel_world_size()
     state = {
-        "args": megatron_lm_args(), "checkpoint_version": 3.0, "iteration": SAVED_AT,
-        "model": model.sharded_state_dict(metadata={"singleton_local_shards": False}),
-        "opt_param_scheduler": _scheduler_state(model),
+        "args": args, "checkpoint_version": 3.0, "iteration": SAVED_AT,
+        **{key: model.sharded_state_dict(metadata={"singleton_local_shards": False})
+           for key, model in models.items()},
+        "opt_param_scheduler": _scheduler_state(next(iter(models.values()))),
         "rerun_state_machine": {
             "mode": RerunMode.VALIDATE_RESULTS, "state": RerunState.NOT_RUNNING_YET,
             "current_iteration": SAVED_AT,
             "sharded": ShardedObject("rerun_state_machine_state", rerun_sharded, (world,),
                                      (rank,))},
-        "rng_state": ShardedObject("rng_state", [_rng_state()], (1, 1), (0, 0), replica_id=0),
+        # one per (PP, TP) rank, replicated over DP
+        "rng_state": ShardedObject("rng_state", [_rng_state()], (pp, 1), (pp_rank, 0),
+                                   replica_id=0),
         "num_floating_point_operations_so_far": 1.5e9,
     }
     path = os.path.join(root, f"iter_{SAVED_AT:07d}")
-    os.makedirs(path)
+    if rank == 0:
+        os.makedirs(path)
+    torch.distributed.barrier()
     dist_checkpointing.save(state, path)
+    if rank == 0:
+        with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write(str(SAVED_AT))
+
+
+def _save_megatron_lm(rank, world, root, weights_file):
+    """Megatron-LM's save_checkpoint at iteration SAVED_AT, TP 1 x PP 1 x DP 1."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_ulysses import cpu_compat
+
+    cpu_compat.install()
+    mpu.initialize_model_parallel()
+    cpu_compat.model_parallel_manual_seed(1234)
+    model = _moved_off_init(_mcore_gpt())
+    torch.save({k: v for k, v in model.state_dict().items() if "_extra_state" not in k},
+               weights_file)
+    _save(rank, world, root, megatron_lm_args(), {"model": model})
+    mpu.destroy_model_parallel()
+
+
+def _save_legacy(root, args, chunks) -> None:
+    """Megatron-LM's save_checkpoint with --ckpt-format torch: this pipeline rank's
+    `mp_rank_00_<pp rank>/model_optim_rng.pt`, torch.save of its state dict (each chunk's
+    `state_dict_for_save_checkpoint` as `model0`, `model1`, ...), and its tracker."""
+    from megatron.core import parallel_state as mpu
+
+    state = {"args": args, "checkpoint_version": 3.0, "iteration": SAVED_AT,
+             **{f"model{i}": chunk.state_dict_for_save_checkpoint()
+                for i, chunk in enumerate(chunks)},
+             "opt_param_scheduler": _scheduler_state(chunks[0]), "rng_state": [_rng_state()],
+             "num_floating_point_operations_so_far": 1.5e9}
+    rank_dir = os.path.join(root, f"iter_{SAVED_AT:07d}",
+                            f"mp_rank_00_{mpu.get_pipeline_model_parallel_rank():03d}")
+    os.makedirs(rank_dir)
+    torch.save(state, os.path.join(rank_dir, "model_optim_rng.pt"))
     with open(os.path.join(root, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write(str(SAVED_AT))
+
+
+def _save_megatron_lm_vpp(rank, world, root, legacy_root):
+    """Megatron-LM's save_checkpoint of a PP 2 x VPP 2 run (4 layers, one per virtual stage):
+    one GPTModel per virtual stage as its get_model builds them (megatron-core's `vp_stage`),
+    saved as `model0`, `model1`; every weight `test_virtual_pipeline.weight` of its global
+    name, so any layout can check what it loaded. The same in its legacy torch format at
+    `legacy_root`."""
+    from megatron.core import parallel_state as mpu
+    from test_virtual_pipeline import set_weights
+
+    from megatron_ulysses import cpu_compat
+
+    cpu_compat.install()
+    mpu.initialize_model_parallel(pipeline_model_parallel_size=2,
+                                  virtual_pipeline_model_parallel_size=2)
+    cpu_compat.model_parallel_manual_seed(1234)
+    layout = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                  pipeline_dtype=torch.float32)
+    chunks = [_mcore_gpt(4, vp_stage, **layout) for vp_stage in range(2)]
+    set_weights(chunks)
+    args = megatron_lm_args(num_layers=4, pipeline_model_parallel_size=2,
+                            virtual_pipeline_model_parallel_size=2,
+                            num_layers_per_virtual_pipeline_stage=1)
+    _save(rank, world, root, args, {f"model{i}": chunk for i, chunk in enumerate(chunks)})
+    _save_legacy(legacy_root, argparse.Namespace(**{**vars(args), "ckpt_format": "torch"}),
+                 chunks)
     mpu.destroy_model_parallel()
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_vpp(tmp_path_factory):
+    """The roots of a PP 2 x VPP 2 Megatron-LM checkpoint: torch_dist, legacy torch
+    (`_save_megatron_lm_vpp`)."""
+    tmp = tmp_path_factory.mktemp("megatron_lm_vpp")
+    spawn(_save_megatron_lm_vpp, 2, str(tmp / "ckpt"), str(tmp / "legacy"))
+    return tmp / "ckpt", tmp / "legacy"
 
 
 @pytest.fixture(scope="module")
@@ -283,6 +373,68 @@ def _load_cases(rank, world, root, weights_file, sp):
 def test_it_loads_bitwise_at_sp_1_and_2_and_finetunes(megatron_lm, world, sp):
     root, weights = megatron_lm
     spawn(_load_cases, world, str(root), str(weights), sp)
+
+
+VPP_LAYOUTS = {  # world size -> the layouts our run loads the PP 2 x VPP 2 checkpoint at
+    1: [[]],
+    2: [["--num-layers-per-virtual-pipeline-stage", "1"], []],
+}
+
+
+def _load_vpp_cases(rank, world, root):
+    """Each of `VPP_LAYOUTS[world]` loads every weight of its chunks bitwise: the saver's
+    `weight` of the parameter's global name (its layer's global number; the tied output layer
+    as the embedding)."""
+    from test_checkpointing import build_run
+    from test_virtual_pipeline import global_name, weight
+
+    from megatron_ulysses import parallel_state as ps
+    from megatron_ulysses.training.checkpointing import load_checkpoint
+    from megatron_ulysses.training.chunks import model_chunks
+
+    for layout in VPP_LAYOUTS[world]:
+        # --use-checkpoint-args takes its shape, not its pipeline size (as Megatron-LM)
+        pp = ["--pipeline-model-parallel-size", str(world)] if world > 1 else []
+        argv = RUN + ["--load", root, "--no-load-optim"] + pp + layout
+        config, model, optimizer, scheduler = build_run(argv, world)
+        assert len(model_chunks(model)) == (2 if layout else 1)
+        assert load_checkpoint(root, model, optimizer, scheduler, config) == (SAVED_AT, 20)
+        for chunk in model_chunks(model):
+            for name, param in chunk.module.named_parameters():
+                expected = weight(global_name(chunk.module, name), param.shape)
+                assert torch.equal(param.detach(), expected), (layout, name)
+        ps.destroy_model_parallel()
+
+
+def test_its_virtual_pipeline_checkpoint_loads_bitwise_at_any_pipeline_layout(
+        megatron_lm_vpp):
+    """Megatron-LM's PP 2 x VPP 2 checkpoint (`model0`, `model1`) at PP 2 x VPP 2, PP 2 and
+    PP 1: megatron-core's keys are the whole model's, whatever the chunks."""
+    for world in VPP_LAYOUTS:
+        spawn(_load_vpp_cases, world, str(megatron_lm_vpp[0]))
+
+
+def test_its_legacy_torch_format_is_refused_unread_naming_the_conversion(megatron_lm_vpp,
+                                                                          tmp_path):
+    """--ckpt-format torch's mp_rank_*/model_optim_rng.pt: one message naming Megatron-LM's
+    --ckpt-convert-format, before any file is unpickled (a payload in one stays asleep)."""
+    from megatron_ulysses.errors import ConfigError
+    from megatron_ulysses.training.checkpointing import read_common_state
+
+    root = tmp_path / "legacy"
+    shutil.copytree(megatron_lm_vpp[1], root)
+    marker = tmp_path / "marker"
+    torch.save({"args": Payload(marker)},
+               root / f"iter_{SAVED_AT:07d}" / "mp_rank_00_001" / "model_optim_rng.pt")
+    for checkpoint in (megatron_lm_vpp[1], root):
+        with pytest.raises(ConfigError) as error:
+            read_common_state(str(checkpoint))
+        assert str(error.value).startswith(
+            f"--load {checkpoint / f'iter_{SAVED_AT:07d}'} is a Megatron-LM checkpoint in its "
+            "legacy torch format (2 mp_rank_*/model_optim_rng.pt files)")
+        assert f"--ckpt-format torch --load {checkpoint} --ckpt-convert-format torch_dist" \
+            in str(error.value)
+    assert not marker.exists()
 
 
 def test_pretrain_gpt_resumes_it_at_sp_1_and_2_with_equal_losses(megatron_lm):

@@ -24,6 +24,8 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
         "--mock-data", "--vocab-size", "256"]
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
 DIST_OPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+VPP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
+       "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"]
 
 
 def on_gpu(argv, world_size=1, capability=(9, 0)):
@@ -103,6 +105,21 @@ def test_accepted_flags_reach_megatron_cores_configs():
     assert optimizer.overlap_param_gather and optimizer.fp8_recipe == "tensorwise"
 
 
+@pytest.mark.parametrize("argv, world_size, aligned", [
+    (VPP, 2, True), (VPP + ["--no-align-param-gather"], 2, False),
+    (VPP[:4], 2, False), ([], 1, False)])
+def test_align_param_gather_is_on_with_a_virtual_pipeline_only(argv, world_size, aligned):
+    """Megatron-LM's rule: the interleaved schedule starts the all-gathers (on by default,
+    --no-align-param-gather turns it off); without it each stage's forward does. It reaches
+    DDP's config (whose forward pre-hook then leaves the next bucket's all-gather to the
+    schedule)."""
+    config = on_gpu(["--bf16", "--overlap-param-gather", *DIST_OPT, *argv], world_size)
+    assert config.performance.align_param_gather is aligned
+    ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer,
+                                                            config.performance))
+    assert ddp.align_param_gather is aligned and ddp.overlap_param_gather
+
+
 def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     config = on_gpu(["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer",
                      "--optimizer-cpu-offload", "--optimizer-offload-fraction", "0.5",
@@ -137,8 +154,14 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
      "needs --use-distributed-optimizer"),
     (["--bf16", "--overlap-param-gather", "--use-distributed-optimizer"], 1,
      "--overlap-param-gather needs --overlap-grad-reduce"),
+    (["--bf16", "--overlap-param-gather-with-optimizer-step"], 1,
+     "--overlap-param-gather-with-optimizer-step needs --use-distributed-optimizer"),
     (["--bf16", "--overlap-param-gather-with-optimizer-step"] + DIST_OPT, 1,
-     "interleaved pipeline"),
+     "--overlap-param-gather-with-optimizer-step needs --overlap-param-gather"),
+    (["--bf16", "--overlap-param-gather-with-optimizer-step", "--overlap-param-gather"]
+     + DIST_OPT, 1, "needs interleaved pipeline parallelism"),
+    (["--bf16", "--overlap-param-gather-with-optimizer-step", "--overlap-param-gather"]
+     + DIST_OPT + VPP, 2, "not supported with distributed checkpointing .* torch_dist"),
     (["--fp16", "--grad-reduce-in-bf16"], 1, "--grad-reduce-in-bf16 .* needs --bf16"),
     (["--bf16", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
      4, r"must divide .* 4 x 1 = 4"),

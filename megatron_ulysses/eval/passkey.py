@@ -122,7 +122,7 @@ def _check_passkey_flags(args):
 
 def _check_checkpoint(args) -> None:
     """--use-checkpoint-args takes the model's flags from --load; else a checkpoint must be
-    there. Pipeline-parallel checkpoints are refused."""
+    there. The evaluation runs at PP 1 (a checkpoint of any pipeline layout loads there)."""
     if args.use_checkpoint_args:
         arguments.apply_checkpoint_args(args)
     elif read_tracker(args.load) is None:
@@ -131,7 +131,7 @@ def _check_checkpoint(args) -> None:
     _require(args.pipeline_model_parallel_size == 1,
              f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
              "eval_passkey.py runs without pipeline parallelism; use 1 (a checkpoint saved at "
-             "PP > 1 cannot be evaluated yet)")
+             "any pipeline layout loads at 1)")
 
 
 def _check_lengths(args, lengths: List[int]) -> None:

@@ -21,16 +21,18 @@ states as tensors (one row per rank). A load with the same world size, TP, PP an
 rank's own; at another layout (another --ulysses-sp-size or data-parallel size) the RNG states are
 not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
 
-Model tensors are stored unsharded-by-layout, so a run can resume with another
-`--ulysses-sp-size` or data-parallel size (TP and PP must match).
+Model tensors are stored unsharded-by-layout (megatron-core's global keys), so a run can resume
+with another `--ulysses-sp-size`, data-parallel size, pipeline size or virtual pipeline (TP must
+match).
 
 --async-save: the files are written by megatron-core's async writer and the steps after the
 write (fsync, record, rename, tracker, --save-retain-interval) are its request's finalize step
 (`checkpoint_saver`), so the tracker still moves last.
 
 Megatron-LM's torch_dist checkpoints load too (`megatron_lm_checkpoint` maps their common
-state onto ours): the model at any SP size, its LR schedule, iteration and consumed samples; RNG
-states restart from --seed.
+state onto ours): the model at any SP size and pipeline layout (a virtual pipeline's `model0`,
+`model1`, ... included), its LR schedule, iteration and consumed samples; RNG states restart
+from --seed.
 """
 
 import contextlib
@@ -92,20 +94,24 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # and the run that loads it (max_position_embeddings only with learned absolute positions).
 _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "kv_channels", "padded_vocab_size",
-               "tensor_model_parallel_size", "pipeline_model_parallel_size",
+               "tensor_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
                "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear",
-               "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved",
-               "virtual_pipeline_model_parallel_size")
+               "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved")
 # What a checkpoint saved before an arg existed means by its absence (it still loads).
 _MISSING_MEANS = {"add_qkv_bias": False, "apply_layernorm_1p": False, "squared_relu": False,
-                  "rotary_interleaved": False, "virtual_pipeline_model_parallel_size": None}
+                  "rotary_interleaved": False}
+# The pipeline layout: saved, not checked. megatron-core's keys number the layers over the
+# whole model and the tied output layer is saved as the embedding, so the model and its Adam
+# moments load at any PP and virtual pipeline (as Megatron-LM loads torch_dist checkpoints);
+# only the per-rank RNG states need the same layout (`_rng_states_to_load`).
+_LAYOUT_ARGS = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
 # Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
 # Also saved (not checked; --use-checkpoint-args takes them): RoPE and norm numerics, the vocab
 # padding and --vocab-size (None with a tokenizer file).
-_SAVED_ARGS = _MODEL_ARGS + _OPTIMIZER_ARGS + (
+_SAVED_ARGS = _MODEL_ARGS + _LAYOUT_ARGS + _OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
     "vocab_size")
@@ -415,14 +421,11 @@ def _flag(key: str) -> str:
     if key == "padded_vocab_size":
         return ("padded vocab size (from the tokenizer or --vocab-size, "
                 "--make-vocab-size-divisible-by and TP)")
-    if key == "virtual_pipeline_model_parallel_size":
-        return ("virtual pipeline stages per rank (--num-virtual-stages-per-pipeline-rank or "
-                "--num-layers-per-virtual-pipeline-stage; None: none)")
     return flag_name(key)
 
 
 def _check_args(path: str, saved: dict, run: dict) -> None:
-    """The checkpoint's model and TP/PP values (`saved`) against this run's (`run`)."""
+    """The checkpoint's model and TP values (`saved`) against this run's (`run`)."""
     keys = list(_MODEL_ARGS)
     if run["position_embedding_type"] == "learned_absolute":
         keys.append("max_position_embeddings")
@@ -434,7 +437,7 @@ def _check_args(path: str, saved: dict, run: dict) -> None:
         details = "; ".join(
             f"{_flag(key)}: checkpoint {'(not saved)' if a is missing else repr(a)}, "
             f"this run {b!r}" for key, a, b in mismatched)
-        raise ConfigError(f"--load {path} was saved with another model or TP/PP layout: "
+        raise ConfigError(f"--load {path} was saved with another model or TP size: "
                           f"{details}. Run with the checkpoint's values")
     if run["position_embedding_type"] == "rope" and saved.get("rotary_base") not in \
             (None, run["rotary_base"]):
@@ -482,6 +485,7 @@ def read_common_state(root: str):
     if iteration is None:
         return None
     path = _checkpoint_path(root, iteration)
+    megatron_lm_checkpoint.refuse_legacy_format(path)
     check_checkpoint_files(path)  # before megatron-core unpickles anything
     save_guard.verify_files(path)  # the save's record: no file missing, short or foreign
     with save_guard.read_errors_named(path):

@@ -7,7 +7,9 @@ dist_checkpointing what this package writes, with other names for the non-tensor
                       `opt_param_scheduler` (megatron-core's OptimizerParamScheduler, as ours),
                       `num_floating_point_operations_so_far`, `rerun_state_machine`
     sharded           `model` (GPTModel.sharded_state_dict(): the same keys as ours, since
-                      megatron-core's local layer spec maps its norms to the TE spec's names),
+                      megatron-core's local layer spec maps its norms to the TE spec's names;
+                      with a virtual pipeline `model0`, `model1`, ..., one per chunk, whose
+                      keys are the whole model's: they load at any pipeline layout),
                       `optimizer` (unless --no-save-optim), `rng_state` (one ShardedObject
                       per (PP, TP) rank: python, numpy, torch, CUDA and tracker states),
                       `rerun_state_machine_state`
@@ -19,6 +21,8 @@ checkpoint keeps the streams seeded from --seed (as ours at another layout).
 """
 
 import argparse
+import glob
+import os
 
 from ..errors import ConfigError
 
@@ -36,11 +40,26 @@ _UNSUPPORTED = (
     ("num_experts", None, "--num-experts"),
     ("multi_latent_attention", False, "--multi-latent-attention"),
     ("mtp_num_layers", None, "--mtp-num-layers"),
-    ("virtual_pipeline_model_parallel_size", None, "--num-layers-per-virtual-pipeline-stage"),
     ("apply_layernorm_1p", False, "--apply-layernorm-1p"),
     ("squared_relu", False, "--squared-relu"),
     ("rotary_interleaved", False, "--rotary-interleaved"),
 )
+
+
+def refuse_legacy_format(path: str) -> None:
+    """Megatron-LM's legacy torch format (--ckpt-format torch: one `mp_rank_XX[_YYY]/
+    model_optim_rng.pt` per TP x PP rank, a virtual pipeline's chunks as its `model0`,
+    `model1`, ...) is a whole pickle per rank, readable only at the layout it was saved at: one
+    `ConfigError` naming Megatron-LM's conversion to torch_dist, before any file is opened."""
+    files = glob.glob(os.path.join(glob.escape(path), "mp_rank_*", "model_optim_rng.pt"))
+    if files:
+        raise ConfigError(
+            f"--load {path} is a Megatron-LM checkpoint in its legacy torch format ({len(files)} "
+            "mp_rank_*/model_optim_rng.pt files), which megatron_ulysses does not read; convert "
+            "it to torch_dist with Megatron-LM's pretrain_gpt.py, the flags it was saved with "
+            f"and --ckpt-format torch --load {os.path.dirname(os.path.normpath(path))} "
+            "--ckpt-convert-format torch_dist --ckpt-convert-save NEW (it writes "
+            "NEW/torch_dist), then --load NEW/torch_dist")
 
 
 def is_megatron_lm(common) -> bool:

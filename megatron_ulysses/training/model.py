@@ -247,13 +247,37 @@ def build_model_and_optimizer(config: RunConfig):
 def attach_optimizer(config: RunConfig, mcore_config: TransformerConfig, model):
     """(model, optimizer, scheduler): the optimizer and LR scheduler of `model` (DDP, or its
     chunks) and, on `mcore_config`, the hooks megatron-core's schedule calls (grad finalize,
-    no_sync: one per chunk with several, fp16 loss scale), as Megatron-LM's setup sets them."""
+    `set_sync_funcs`, fp16 loss scale), as Megatron-LM's setup sets them."""
     optimizer = build_optimizer(config.optimizer, config.model, model, config.performance,
                                 config.logging.log_num_zeros_in_grad)
     mcore_config.finalize_model_grads_func = finalize_model_grads
-    chunks = model_chunks(model)
-    mcore_config.no_sync_func = [chunk.no_sync for chunk in chunks] if len(chunks) > 1 \
-        else model.no_sync
+    set_sync_funcs(mcore_config, model, config.optimizer, config.performance)
     if config.model.fp16:
         mcore_config.grad_scale_func = optimizer.scale_loss
     return model, optimizer, build_scheduler(config.optimizer, optimizer)
+
+
+def set_sync_funcs(mcore_config: TransformerConfig, model, optimizer: OptimizerConfig,
+                   performance: PerformanceConfig) -> None:
+    """megatron-core's schedule hooks for DP communication on `mcore_config`, one per chunk
+    (one function for one model), as Megatron-LM's train() sets them:
+    - `no_sync_func`: a chunk's gradients reduce after its last micro batch only (Megatron-LM
+      sets it only with --overlap-grad-reduce: DDP ignores it without, and Megatron-FSDP's
+      no_shard / optim strategies then reduce once per step instead of per micro batch);
+    - `grad_sync_func` with --overlap-grad-reduce and `align_grad_reduce` (not for torch
+      FSDP2, as Megatron-LM): the schedule starts each chunk's reduction, at the same point on
+      every pipeline rank;
+    - `param_sync_func` with --overlap-param-gather and `align_param_gather` (a virtual
+      pipeline): the schedule starts each chunk's all-gather ahead of its forward."""
+    chunks = model_chunks(model)
+
+    def per_chunk(name: str):
+        funcs = [getattr(chunk, name) for chunk in chunks]
+        return funcs if len(funcs) > 1 else funcs[0]
+
+    mcore_config.no_sync_func = per_chunk("no_sync")
+    if optimizer.overlap_grad_reduce and optimizer.align_grad_reduce \
+            and not performance.use_torch_fsdp2:
+        mcore_config.grad_sync_func = per_chunk("start_grad_sync")
+    if performance.overlap_param_gather and performance.align_param_gather:
+        mcore_config.param_sync_func = per_chunk("start_param_sync")

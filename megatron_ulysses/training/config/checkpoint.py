@@ -182,7 +182,9 @@ def _validate_async(args, ctx: Context) -> None:
         args.async_ckpt_use_cpu_shm = False
 
 
-# Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds).
+# Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds). TP must
+# match the checkpoint's, so it is taken; the pipeline layout need not (a checkpoint loads at
+# any), so it is not, as Megatron-LM takes it only with --use-mp-args-from-checkpoint-args.
 CHECKPOINT_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
     "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
@@ -190,7 +192,6 @@ CHECKPOINT_ARGS = (
     "rotary_seq_len_interpolation_factor", "normalization", "norm_epsilon", "swiglu",
     "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
     "qk_layernorm", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
 )
 
 

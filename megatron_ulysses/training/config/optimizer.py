@@ -32,6 +32,7 @@ class OptimizerConfig:
     hysteresis: int
     use_distributed_optimizer: bool
     overlap_grad_reduce: bool
+    align_grad_reduce: bool  # with overlap_grad_reduce: the schedule launches each reduction
     decoupled_lr: Optional[float]
     decoupled_min_lr: Optional[float]
     lr_warmup_init: float
@@ -92,7 +93,15 @@ def add_arguments(parser) -> None:
     g.add_argument("--loss-scale-window", type=float, default=1000)
     g.add_argument("--hysteresis", type=int, default=2)
     g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="each bucket's gradient reduction over DP x SP starts during the "
+                   "backward of the step's last micro batch")
+    # Megatron-LM's DistributedInitConfig field: both spellings its argument factory makes
+    g.add_argument("--no-align-grad-reduce", "--disable-align-grad-reduce",
+                   dest="align_grad_reduce", action="store_false",
+                   help="with --overlap-grad-reduce and PP > 1: each pipeline stage starts its "
+                   "reductions as its gradients are ready, instead of the pipeline schedule "
+                   "starting every stage's at the same point of the schedule (the default)")
 
 
 def _add_schedule_arguments(g) -> None:

@@ -90,6 +90,8 @@ class PerformanceConfig:
     fp8_param_gather: bool = False
     fp8_dot_product_attention: bool = False
     overlap_param_gather: bool = False
+    # the interleaved schedule launches each chunk's all-gather (Megatron-LM's rule: only there)
+    align_param_gather: bool = False
     grad_reduce_in_bf16: bool = False
     num_distributed_optimizer_instances: int = 1
     use_precision_aware_optimizer: bool = False
@@ -123,6 +125,7 @@ def ddp_kwargs(perf: PerformanceConfig) -> dict:
     them: grads accumulate and reduce in fp32 unless --grad-reduce-in-bf16."""
     kwargs = dict(grad_reduce_in_fp32=not perf.grad_reduce_in_bf16,
                   overlap_param_gather=perf.overlap_param_gather,
+                  align_param_gather=perf.align_param_gather,
                   num_distributed_optimizer_instances=perf.num_distributed_optimizer_instances,
                   fp8_param_gather=perf.fp8_param_gather)
     if perf.use_megatron_fsdp:
@@ -149,8 +152,14 @@ def add_arguments(parser) -> None:
     g.add_argument("--overlap-param-gather", action="store_true",
                    help="the distributed optimizer's param all-gather overlaps the next "
                    "forward (needs --use-distributed-optimizer and --overlap-grad-reduce)")
+    g.add_argument("--no-align-param-gather", dest="align_param_gather",
+                   action="store_false",
+                   help="with --overlap-param-gather and a virtual pipeline: each pipeline "
+                   "stage starts its all-gathers as its forward needs them, instead of the "
+                   "interleaved schedule starting every stage's at the same point (the default)")
     g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="needs interleaved pipeline parallelism, which is not built here")
+                   help="refused, as Megatron-LM refuses it with torch_dist checkpoints (this "
+                   "package's only format)")
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
     g.add_argument("--ddp-average-in-collective", action="store_true",
@@ -261,7 +270,11 @@ def given_flags(args, table) -> list:
 
 def validate(args, ctx: Context) -> None:
     """Torch FSDP2's rules; on CPU one message for all the other flags given; on GPU
-    Megatron-LM's rules, then the features not wired here refused."""
+    Megatron-LM's rules, then the features not wired here refused. After the parallel section
+    (it derives the virtual pipeline)."""
+    # Megatron-LM's rule: only the interleaved schedule launches aligned all-gathers.
+    args.align_param_gather = args.align_param_gather and \
+        args.virtual_pipeline_model_parallel_size is not None
     _check_torch_fsdp2(args, ctx)
     given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
     if not ctx.cuda:
@@ -352,10 +365,16 @@ def _check_ddp(args, ctx: Context) -> None:
                 "distributed optimizer's all-gather: it needs --use-distributed-optimizer")
         require(args.overlap_grad_reduce,
                 "--overlap-param-gather needs --overlap-grad-reduce (as in Megatron-LM)")
-    require(not args.overlap_param_gather_with_optimizer_step,
-            "--overlap-param-gather-with-optimizer-step needs interleaved pipeline "
-            "parallelism (a virtual pipeline), which megatron_ulysses does not build; use "
-            "--overlap-param-gather")
+    if args.overlap_param_gather_with_optimizer_step:  # Megatron-LM's rules, in its order
+        flag = "--overlap-param-gather-with-optimizer-step"
+        require(args.use_distributed_optimizer, f"{flag} needs --use-distributed-optimizer")
+        require(args.overlap_param_gather, f"{flag} needs --overlap-param-gather")
+        require(args.virtual_pipeline_model_parallel_size is not None, f"{flag} needs "
+                "interleaved pipeline parallelism (--num-layers-per-virtual-pipeline-stage)")
+        raise ConfigError(f"{flag} is not supported with distributed checkpointing (as in "
+                          "Megatron-LM), and torch_dist is this package's only checkpoint "
+                          "format; drop it (--overlap-param-gather still overlaps the "
+                          "all-gather with the forward)")
     require(not args.grad_reduce_in_bf16 or args.bf16,
             "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
     instances = args.num_distributed_optimizer_instances
