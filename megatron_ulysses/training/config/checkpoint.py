@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
                    default=True, help="spread the writing of tensors replicated over DP x SP "

@@ -75,10 +75,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true",
                    help="on --load, take the LR / weight-decay schedule from these flags, not "
                    "from the checkpoint")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true",
                    help="on --load, take the LR / weight-decay schedule from the checkpoint "
                    "(without either flag a schedule that differs from the flags is an error)")
     g.add_argument("--loss-scale", type=float, default=None,

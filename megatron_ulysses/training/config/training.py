@@ -99,7 +99,8 @@ def _add_run_arguments(g) -> None:
                    "around evaluations, the same on every rank")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="0: collect only around evaluations")
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
                    help="with --manual-gc: no collection around evaluations")
     g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                    help="torch.cuda.empty_cache() after each step (1), also after evaluation "
