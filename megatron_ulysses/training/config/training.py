@@ -63,10 +63,13 @@ def add_arguments(parser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=number, default=None,
-                   help="save a checkpoint (needs --save) and exit once the run has taken this "
+                   help="save a checkpoint (with --save) and exit once the run has taken this "
                    "many minutes (checked after every iteration, the same on every rank)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: save a checkpoint (needs --save) and exit")
+                   help="on --exit-signal: save a checkpoint (with --save) and exit")
+    g.add_argument("--exit-signal", default="SIGTERM",
+                   help="the signal of --exit-signal-handler, by name (only SIGTERM here: the "
+                   "helper processes block SIGTERM alone, so another signal would kill them)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="train on past a NaN loss or a NaN / Inf gradient (without it the run "
@@ -148,6 +151,10 @@ def check_values(args) -> None:
         require(not getattr(args, flag), f"--{flag.replace('_', '-')} needs megatron-core's "
                 "rerun engine (re-running an iteration), which megatron_ulysses does not wire; "
                 "drop it (NaN losses and gradients are checked: --rerun-mode)")
+    require(args.exit_signal == "SIGTERM", f"--exit-signal {args.exit_signal}: only SIGTERM "
+            "is handled here (the data workers and checkpoint writers block SIGTERM alone, so "
+            "another signal sent to the job would kill them); send SIGTERM (e.g. SLURM's "
+            "--signal=TERM@120)")
     require(args.rerun_mode != "report_stats", "--rerun-mode report_stats needs megatron-core's "
             "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled")
     check_range(args, "seed", low=0, high=2**32 - 1)  # numpy seeds the data sampling with it
