@@ -29,7 +29,8 @@ def check_run_length(args, ctx: Context) -> None:
 def validate(args, ctx: Context) -> None:
     """The rules between sections, in the order their warnings are said."""
     _check_splits_against_run(args, ctx)
-    require(not (args.no_position_embedding and args.position_embedding_type != "rope"),
+    require(not (args.no_position_embedding and
+                 args.position_embedding_type == "learned_absolute"),
             "--no-position-embedding leaves no position information with "
             f"--position-embedding-type {args.position_embedding_type}; add "
             "--position-embedding-type rope (or --use-rotary-position-embeddings)")
