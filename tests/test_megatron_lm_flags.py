@@ -514,3 +514,15 @@ def _build_with_embedding_std(rank, world_size):
 
 def test_embedding_init_method_std_initializes_the_embedding_only():
     spawn(_build_with_embedding_std, 1)
+
+
+def test_query_groups_default_and_ignore_as_megatron_lm():
+    # --group-query-attention alone: Megatron-LM's --num-query-groups default 1 (MQA);
+    # --num-query-groups without it: ignored (every head its own kv), said once.
+    assert parse_args(BASE + ["--group-query-attention"], world_size=1).model.num_query_groups == 1
+    config = parse_args(BASE + ["--num-query-groups", "2"], world_size=1)
+    assert config.model.num_query_groups == 8
+    assert any("--num-query-groups 2 is ignored without --group-query-attention" in w
+               for w in config.warnings)
+    assert "positive --num-query-groups" in problem(BASE + ["--group-query-attention",
+                                                            "--num-query-groups", "0"])

@@ -120,7 +120,8 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     g.add_argument("--num-attention-heads", type=int, required=required)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="with --group-query-attention (default 1 there, as in Megatron-LM)")
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None,
@@ -216,7 +217,7 @@ def check_values(args) -> None:
 def validate(args, ctx: Context) -> None:
     """Fill in the shape defaults and check the shape against the parallel layout, then the
     layers and attention, precision and RoPE."""
-    _fill_shape(args, ctx.dims)
+    _fill_shape(args, ctx)
     _resolve_layers_and_attention(args, ctx.cuda)
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; give one")
     require(ctx.cuda or not (args.bf16 or args.fp16),
@@ -289,13 +290,20 @@ def mup_supported() -> bool:
     return "use_mup" in TransformerConfig.__dataclass_fields__
 
 
-def _fill_shape(args, dims) -> None:
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention")
+def _fill_shape(args, ctx: Context) -> None:
+    """Megatron-LM's derived shape defaults (--num-query-groups 1 with --group-query-attention,
+    ignored without it; --kv-channels, --ffn-hidden-size, --max-position-embeddings)."""
+    dims = ctx.dims
     if args.group_query_attention:
-        require(args.num_query_groups is not None and args.num_query_groups > 0,
-                "--group-query-attention needs a positive --num-query-groups")
+        if args.num_query_groups is None:
+            args.num_query_groups = 1
+        require(args.num_query_groups > 0, "--group-query-attention needs a positive "
+                f"--num-query-groups, got {args.num_query_groups}")
     else:
+        if args.num_query_groups is not None:
+            ctx.warnings.append(f"--num-query-groups {args.num_query_groups} is ignored without "
+                                "--group-query-attention (as in Megatron-LM): every query head "
+                                "has its own key / value head")
         args.num_query_groups = args.num_attention_heads
     if args.kv_channels is None:
         require(args.hidden_size % args.num_attention_heads == 0,
