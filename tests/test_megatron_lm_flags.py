@@ -470,8 +470,14 @@ def test_precision_aware_dtypes_and_first_last_bf16_layers_on_gpu():
     with pytest.raises(ConfigError, match=r"--num-layers-at-end-in-bf16 \(3\) must be between 0"):
         on_gpu(FP8 + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                       "--num-layers-at-end-in-bf16", "3"])
-    with pytest.raises(ConfigError, match="--no-fp8-wgrad set FP8 options without FP8"):
-        on_gpu(["--bf16", "--no-fp8-wgrad"])
+    # FP8 options without --fp8-format: ignored as in Megatron-LM (also on CPU), said once
+    for config in (on_gpu(["--bf16", "--no-fp8-wgrad", "--fp8-recipe", "tensorwise"]),
+                   parse_args(BASE + ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+                                      "max", "--first-last-layers-bf16"], world_size=1)):
+        assert config.performance.fp8 is None and config.performance.fp8_wgrad
+        assert config.performance.fp8_recipe == "delayed"
+        assert config.performance.fp8_amax_history_len == 1
+        assert any("FP8 options without --fp8-format are ignored" in w for w in config.warnings)
     perf = on_gpu(FP8 + DIST_OPT + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                                     "--num-layers-at-start-in-bf16", "2", "--disable-fp8-wgrad",
                                     "--disable-bf16-reduced-precision-matmul"]).performance

@@ -319,6 +319,7 @@ def validate(args, ctx: Context) -> None:
     """Torch FSDP2's rules; on CPU one message for all the other flags given; on GPU
     Megatron-LM's rules, then the features not wired here refused."""
     _check_torch_fsdp2(args, ctx)
+    _drop_fp8_options(args, ctx)
     given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
     if not ctx.cuda:
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
@@ -351,12 +352,20 @@ def validate(args, ctx: Context) -> None:
             "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
 
 
+def _drop_fp8_options(args, ctx: Context) -> None:
+    """FP8 options without --fp8-format change nothing in Megatron-LM (megatron-core reads them
+    only with FP8): said once, and back to their defaults (so CPU runs take them too)."""
+    extra = given_flags(args, _FP8_FLAGS[1:]) if args.fp8 is None else []
+    if extra:
+        ctx.warnings.append(f"{', '.join(extra)}: FP8 options without --fp8-format are ignored "
+                            "(as in Megatron-LM)")
+        for _, dest, off in _FP8_FLAGS[1:]:
+            setattr(args, dest, off)
+
+
 def _check_fp8(args) -> None:
     """Megatron-LM's and Transformer Engine's FP8 rules, on the flags of this run."""
-    if args.fp8 is None:
-        extra = given_flags(args, _FP8_FLAGS[1:])
-        require(not extra, f"{', '.join(extra)} set FP8 options without FP8: add --fp8-format "
-                "hybrid (or e4m3), or drop them")
+    if args.fp8 is None:  # its options were set aside by `_drop_fp8_options`
         return
     require(args.transformer_impl == "transformer_engine",
             f"--fp8-format {args.fp8} runs Transformer Engine's FP8 GEMMs: it needs "
