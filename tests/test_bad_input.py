@@ -418,11 +418,16 @@ def test_rope_fusion_is_off_where_te_kernel_offsets_overflow(seq, sp, mbs, fused
 
 def test_an_unknown_flag_is_one_line_naming_it(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        parse_args(BASE + ["--batch-size", "2", "2", "8"], world_size=1)
+        parse_args(BASE + ["--micro-batch-sise", "2", "2", "8"], world_size=1)
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err  # Megatron-LM's old name: the close match is suggested
-    assert err.count("\n") == 1 and "unrecognized arguments: --batch-size 2 2 8 (did you " \
-        "mean --micro-batch-size" in err, err
+    err = capsys.readouterr().err  # a typo: the close match is suggested
+    assert err.count("\n") == 1 and "unrecognized arguments: --micro-batch-sise 2 2 8 (did " \
+        "you mean --micro-batch-size" in err, err
+    with pytest.raises(SystemExit):  # Megatron-LM's removed name: refused with its successor
+        parse_args(BASE + ["--batch-size", "2"], world_size=1)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--batch-size: no longer valid in Megatron-LM either; " \
+        "use --micro-batch-size" in err, err
 
 
 @pytest.mark.parametrize("flags, groups", [

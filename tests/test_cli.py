@@ -328,7 +328,8 @@ BASE = [*MODEL, "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2",
     (["--global-batch-size", "3"], 2, "--global-batch-size (3) must be a positive multiple"),
     (["--bf16"], 1, "--bf16/--fp16 need CUDA"),
     (["--offload-activations"], 1, "--offload-activations needs --recompute-granularity full"),
-    (["--exit-signal-handler"], 1, "--exit-signal-handler saves before exiting: it needs --save"),
+    (["--exit-signal-handler", "--exit-signal", "SIGUSR1"], 1,
+     "--exit-signal SIGUSR1: only SIGTERM is handled here"),
     (["--data-path", "x"], 1, "give one data source: --data-path"),
     (["--ulysses-sp-size", "0"], 1, "--ulysses-sp-size must be >= 1"),
     (["--skip-train", "--eval-iters", "0"], 1, "--skip-train evaluates --eval-iters batches"),
@@ -368,9 +369,12 @@ def test_megatron_lm_compatibility_flags():
                        "--ulysses-attention-backend te, not sdpa; drop one of the two"):
         parse_args(BASE + ["--attention-backend", "fused", "--ulysses-attention-backend",
                            "sdpa"], world_size=1)
-    with pytest.raises(ConfigError, match="--exit-duration-in-mins saves before exiting: it "
-                       "needs --save"):
-        parse_args(BASE + ["--exit-duration-in-mins", "10"], world_size=1)
+    # Without --save the exits stop the run unsaved, as Megatron-LM's checkpoint_and_decide_exit
+    exits = parse_args(BASE + ["--exit-duration-in-mins", "10", "--exit-signal-handler"],
+                       world_size=1)
+    assert (exits.training.exit_duration_in_mins, exits.training.exit_signal_handler) == (10, True)
+    assert any("--exit-signal-handler and --exit-duration-in-mins without --save: the run "
+               "stops without saving" in warning for warning in exits.warnings), exits.warnings
     # half of --lr-decay-iters = --train-iters 2, in samples of the global batch (1)
     assert args.optimizer.lr_warmup_steps == 1
     i = BASE.index("--train-iters")

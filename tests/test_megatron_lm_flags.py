@@ -2,7 +2,9 @@
 what Megatron-LM's does (checked on the config or the built piece), or is refused by name."""
 
 import contextlib
+import dataclasses
 import io
+import json
 
 import pytest
 import torch
@@ -16,7 +18,9 @@ from megatron_ulysses.data.tokenizers import build_tokenizer
 from megatron_ulysses.layer_specs import ZeroCenteredNorm
 from megatron_ulysses.training import model as model_builders
 from megatron_ulysses.training.arguments import ConfigError, parse_args
-from megatron_ulysses.training.config.compat import OUT_OF_SCOPE
+from megatron_ulysses.training.config import compat
+from megatron_ulysses.training.config.compat import IGNORED
+from megatron_ulysses.training.config.refused import NOT_BUILT, OUT_OF_SCOPE
 from megatron_ulysses.vocab import model_vocab_size
 
 DATA_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8",
@@ -277,3 +281,254 @@ def test_pipeline_layout_flags_follow_megatron_lms_rules_on_gpu(argv, message):
         return
     with pytest.raises(ConfigError, match=message):
         validate_args(args, world_size=2, cuda=True)
+
+
+# --- the flags of the unseen-script sweep -------------------------------------------------------
+
+def test_not_built_flags_are_named_with_why_in_one_message():
+    said = problem(BASE + [word for flag in NOT_BUILT for word in (flag, "1")])
+    assert said.count("\n") == 1 and "unrecognized" not in said, said
+    for flag, why in NOT_BUILT.items():
+        assert f"{flag}: {why}" in said, flag
+
+
+def test_ignored_flags_change_nothing_and_are_said_once():
+    argv = []
+    for _, _, specs in IGNORED:
+        for spec in specs:
+            options, kind = compat._options(spec)
+            argv += [options[-1]] + {"switch": [], "value": ["7"], "values": ["a", "b"]}[kind]
+    config = parse_args(BASE + argv, world_size=1)
+    baseline = parse_args(BASE, world_size=1)
+    assert dataclasses.replace(config, warnings=()) == baseline
+    said = " ".join(config.warnings)
+    for _, told, specs in IGNORED:
+        for spec in specs:
+            first = compat._options(spec)[0][0]
+            assert (first in said) == told, first
+
+
+def test_megatron_lm_alias_spellings_and_what_is_always_done():
+    config = parse_args(BASE + ["--override-opt-param-scheduler", "--disable-manual-gc-eval",
+                                "--disable-log-loss-scale-to-tensorboard",
+                                "--persistent-save-interval", "5", "--accumulate-allreduce-grads-"
+                                "in-fp32", "--no-one-logger", "--disable-msc"], world_size=1)
+    assert config.optimizer.override_opt_param_scheduler and not config.training.manual_gc_eval
+    assert not config.logging.log_loss_scale_to_tensorboard
+    assert config.checkpoint.save_interval == 5
+    assert config.warnings == ("--save-interval without --save: no checkpoints are written (as "
+                               "in Megatron-LM)",)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--softmax-type", "learnable"], ["--softmax-type learnable", "vanilla"]),
+    (["--rope-type", "yarn"], ["--rope-type yarn", "only rope"]),
+    (["--glu-linear-offset", "1.0"], ["--glu-linear-offset 1.0"]),
+    (["--dataloader-type", "cyclic"], ["--dataloader-type cyclic", "only single"]),
+    (["--error-injection-rate", "100"], ["--error-injection-rate 100", "rerun engine"]),
+    (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "use 1"]),
+    (["--expert-model-parallel-size", "2", "--num-experts", "8"],
+     ["MoE (--num-experts)", "--expert-model-parallel-size 2"]),
+    (["--torch-fsdp2-no-reshard-after-forward"], ["needs --use-torch-fsdp2"]),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
+     ["--recompute-granularity full, not selective"]),
+    (["--ddp-bucket-size", "10", "--ddp-num-buckets", "2"], ["not both"]),
+    (["--decrease-batch-size-if-needed", "--global-batch-size", "1"],
+     ["--global-batch-size (1) is smaller than"]),
+    (["--step-batch-size-schedule", "0:2", "--decrease-batch-size-if-needed"], ["not both"]),
+    (["--embedding-init-method-std", "0"], ["--embedding-init-method-std must be positive"]),
+])
+def test_sweep_flags_refused_in_one_message_naming_the_flag(argv, words):
+    said = problem(BASE + argv, world_size=2)
+    assert said.count("\n") <= 1 and "unrecognized" not in said, said
+    for word in words:
+        assert word in said, said
+
+
+def test_sweep_flags_taken_with_megatron_lms_meaning():
+    config = parse_args(BASE + [
+        "--softmax-type", "vanilla", "--rope-type", "rope", "--glu-linear-offset", "0",
+        "--dataloader-type", "single", "--error-injection-rate", "0", "--expert-model-parallel-"
+        "size", "1", "--expert-tensor-parallel-size", "4", "--recompute-num-layers", "1",
+        "--no-weight-decay-cond-type", "apply_wd_to_qk_layernorm", "--embedding-init-method-std",
+        "0.5", "--start-eval-at-iter", "3", "--pytorch-profiler-collect-shapes",
+        "--global-batch-size", "7", "--decrease-batch-size-if-needed"], world_size=2)
+    said = " ".join(config.warnings)
+    assert "--expert-tensor-parallel-size 4 is ignored" in said
+    assert "--recompute-method/--recompute-num-layers are ignored" in said
+    assert config.model.recompute_num_layers is None
+    assert config.optimizer.apply_wd_to_qk_layernorm and "deprecated" in said
+    mcore = model_builders.transformer_config(config.model, config.dims)
+    assert mcore.embedding_init_method_std == 0.5 and mcore.init_method_std == 0.02
+    assert config.training.pytorch_profiler_collect_shapes
+    # DP 2 x micro batch 1: 7 -> 6, said once
+    assert config.training.global_batch_size == 6 and "7 -> 6" in said
+    # the bash-split schedule is the quoted one
+    i = BASE.index("--train-iters")
+    by_samples = BASE[:i] + BASE[i + 2:] + ["--train-samples", "8"]
+    split = parse_args(by_samples + ["--step-batch-size-schedule", "0:1", "64:2"], world_size=1)
+    whole = parse_args(by_samples + ["--step-batch-size-schedule", "0:1 64:2"], world_size=1)
+    assert split.training.batch_size_schedule == whole.training.batch_size_schedule
+    assert split.training.train_iters == whole.training.train_iters
+
+
+@pytest.mark.parametrize("start, evaluated, counts", [
+    (None, [2, 4, 6], {1: 0, 2: 1, 6: 3}),
+    (3, [4, 6], {2: 0, 3: 0, 4: 1, 6: 2}),
+    (4, [4, 6], {3: 0, 4: 1, 6: 2}),
+])
+def test_start_eval_at_iter_skips_the_evaluations_before_it(start, evaluated, counts):
+    argv = BASE + ["--eval-interval", "2", "--train-iters", "6"] + (
+        ["--start-eval-at-iter", str(start)] if start is not None else [])
+    training = parse_args(argv, world_size=1).training
+    assert [i for i in range(1, 7) if training.evaluates_after(i)] == evaluated
+    assert {i: training.evaluations_through(i) for i in counts} == counts
+
+
+def test_no_pad_vocab_size_keeps_the_tokenizers_rows():
+    assert model_vocab_size(250, None, 128, 1, pad=False) == 250
+    assert model_vocab_size(250, 320, 128, 2, pad=False) == 320
+    with pytest.raises(ConfigError, match="--no-pad-vocab-size"):
+        model_vocab_size(251, None, 128, 2, pad=False)
+    assert not parse_args(BASE + ["--no-pad-vocab-size"], world_size=1).model.pad_vocab_size
+
+
+def test_data_args_files_give_the_data_paths(corpus_prefix, sp_model, tmp_path):
+    argv = DATA_RUN + ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model",
+                       sp_model]
+    blend = tmp_path / "blend.txt"
+    blend.write_text(f"0.3 {corpus_prefix}\n0.7 {corpus_prefix}\n")
+    config = parse_args(argv + ["--data-args-path", str(blend)], world_size=1)
+    assert config.data.data_path == ("0.3", corpus_prefix, "0.7", corpus_prefix)
+    splits = tmp_path / "splits.json"
+    splits.write_text(json.dumps({"train": corpus_prefix, "valid": [1, corpus_prefix],
+                                  "test": None}))
+    config = parse_args(argv + ["--per-split-data-args-path", str(splits)], world_size=1)
+    assert config.data.data_path_per_split == [[corpus_prefix], ["1", corpus_prefix], None]
+    assert "not both" in problem(argv + ["--data-args-path", str(blend), "--data-path",
+                                         corpus_prefix])
+    assert "--data-args-path" in problem(argv + ["--data-args-path", str(tmp_path / "no")])
+    splits.write_text("[1]")
+    assert "not a JSON object" in problem(argv + ["--per-split-data-args-path", str(splits)])
+
+
+def test_use_mp_args_from_checkpoint_args_forces_tp_and_pp(monkeypatch, tmp_path):
+    from megatron_ulysses.training import checkpointing
+
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+             "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 1}
+    monkeypatch.setattr(checkpointing, "read_checkpoint_args", lambda root: saved)
+    argv = ["--use-checkpoint-args", "--load", str(tmp_path), "--seq-length", "32",
+            "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters", "2", "--mock-data",
+            "--vocab-size", "64", "--tensor-model-parallel-size", "1"]
+    assert parse_args(argv, world_size=2).dims.tp == 1  # the command line wins
+    assert parse_args(argv + ["--use-mp-args-from-checkpoint-args"], world_size=2).dims.tp == 2
+
+
+def test_gradient_bucket_flags_reach_the_ddp_config_on_cpu():
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron_ulysses.training.model import ddp_config_kwargs
+
+    config = parse_args(BASE + ["--ddp-bucket-size", "1000",
+                                "--ddp-pad-buckets-for-high-nccl-busbw",
+                                "--no-gradient-reduce-div-fusion",
+                                "--ddp-reduce-scatter-with-fp32-accumulation"], world_size=1)
+    ddp = DistributedDataParallelConfig(**ddp_config_kwargs(config.optimizer, config.performance))
+    assert (ddp.bucket_size, ddp.pad_buckets_for_high_nccl_busbw,
+            ddp.gradient_reduce_div_fusion) == (1000, True, False)
+    # as Megatron-LM: off when the gradients already reduce in fp32
+    assert not ddp.reduce_scatter_with_fp32_accumulation
+    assert any("already reduce in fp32" in w for w in config.warnings)
+    said = problem(BASE + ["--ddp-num-buckets", "4"])
+    if "num_buckets" in DistributedDataParallelConfig.__dataclass_fields__:
+        assert said == ""
+    else:
+        assert "--ddp-num-buckets needs megatron-core >= 0.19" in said, said
+
+
+def test_precision_aware_dtypes_and_first_last_bf16_layers_on_gpu():
+    from test_perf_flags import DIST_OPT, FP8, on_gpu
+
+    from megatron_ulysses.training.config import performance
+
+    with pytest.raises(ConfigError, match="--main-grads-dtype other than fp32 needs "
+                       "--use-precision-aware-optimizer"):
+        on_gpu(["--bf16", "--main-grads-dtype", "bf16"])
+    aware = ["--bf16", "--use-distributed-optimizer", "--use-precision-aware-optimizer"]
+    with pytest.raises(ConfigError, match="--accumulate-allreduce-grads-in-fp32 needs "
+                       "--main-grads-dtype fp32"):
+        on_gpu(aware + ["--main-grads-dtype", "bf16", "--accumulate-allreduce-grads-in-fp32"])
+    perf = on_gpu(aware + ["--main-grads-dtype", "bf16", "--exp-avg-dtype", "fp8",
+                           "--exp-avg-sq-dtype", "bf16", "--main-params-dtype", "fp16"]).performance
+    kwargs = performance.optimizer_kwargs(perf)
+    assert (kwargs["main_grads_dtype"], kwargs["main_params_dtype"], kwargs["exp_avg_dtype"],
+            kwargs["exp_avg_sq_dtype"]) == (torch.bfloat16, torch.float16, torch.uint8,
+                                            torch.bfloat16)
+    assert not performance.ddp_kwargs(perf)["grad_reduce_in_fp32"]  # bf16 main grads
+    with pytest.raises(ConfigError, match="not supported with --fp8-recipe delayed"):
+        on_gpu(FP8 + ["--first-last-layers-bf16"])
+    with pytest.raises(ConfigError, match=r"--num-layers-at-end-in-bf16 \(3\) must be between 0"):
+        on_gpu(FP8 + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+                      "--num-layers-at-end-in-bf16", "3"])
+    # FP8 options without --fp8-format: ignored as in Megatron-LM (also on CPU), said once
+    for config in (on_gpu(["--bf16", "--no-fp8-wgrad", "--fp8-recipe", "tensorwise"]),
+                   parse_args(BASE + ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo",
+                                      "max", "--first-last-layers-bf16"], world_size=1)):
+        assert config.performance.fp8 is None and config.performance.fp8_wgrad
+        assert config.performance.fp8_recipe == "delayed"
+        assert config.performance.fp8_amax_history_len == 1
+        assert any("FP8 options without --fp8-format are ignored" in w for w in config.warnings)
+    perf = on_gpu(FP8 + DIST_OPT + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
+                                    "--num-layers-at-start-in-bf16", "2", "--disable-fp8-wgrad",
+                                    "--disable-bf16-reduced-precision-matmul"]).performance
+    core = performance.transformer_kwargs(perf)
+    assert (core["first_last_layers_bf16"], core["num_layers_at_start_in_bf16"],
+            core["num_layers_at_end_in_bf16"], core["fp8_wgrad"],
+            core["disable_bf16_reduced_precision_matmul"]) == (True, 2, 1, False, True)
+    said = problem(BASE + ["--disable-bf16-reduced-precision-matmul"])
+    assert "--disable-bf16-reduced-precision-matmul needs CUDA" in said, said
+
+
+def test_fsdp2_no_reshard_after_forward_reaches_its_config():
+    from megatron.core.distributed import TorchFullyShardedDataParallelConfig
+    from megatron_ulysses.training.model import ddp_config_kwargs
+
+    fsdp2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+    for extra, reshard in (([], True), (["--torch-fsdp2-no-reshard-after-forward"], False)):
+        config = parse_args(BASE + fsdp2 + extra, world_size=1)
+        kwargs = ddp_config_kwargs(config.optimizer, config.performance)
+        assert TorchFullyShardedDataParallelConfig(**kwargs).reshard_after_forward is reshard
+
+
+def _build_with_embedding_std(rank, world_size):
+    config = parse_args(BASE + ["--embedding-init-method-std", "1.0"], world_size=1)
+    cpu_compat.install()
+    ps.initialize_model_parallel(dims=config.dims)
+    rng.seed_dropout_streams(1)
+    try:
+        config = config.with_padded_vocab_size(128)
+        mcore = model_builders.transformer_config(config.model, config.dims)
+        model = model_builders.build_model(config.model, config.optimizer, 1, mcore)
+        params = dict(model.named_parameters())
+        embedding = next(p for name, p in params.items() if "word_embeddings" in name)
+        qkv = next(p for name, p in params.items() if "linear_qkv.weight" in name)
+        assert abs(embedding.std().item() - 1.0) < 0.05, embedding.std()
+        assert abs(qkv.std().item() - 0.02) < 0.005, qkv.std()  # --init-method-std's
+    finally:
+        ps.destroy_model_parallel()
+
+
+def test_embedding_init_method_std_initializes_the_embedding_only():
+    spawn(_build_with_embedding_std, 1)
+
+
+def test_query_groups_default_and_ignore_as_megatron_lm():
+    # --group-query-attention alone: Megatron-LM's --num-query-groups default 1 (MQA);
+    # --num-query-groups without it: ignored (every head its own kv), said once.
+    assert parse_args(BASE + ["--group-query-attention"], world_size=1).model.num_query_groups == 1
+    config = parse_args(BASE + ["--num-query-groups", "2"], world_size=1)
+    assert config.model.num_query_groups == 8
+    assert any("--num-query-groups 2 is ignored without --group-query-attention" in w
+               for w in config.warnings)
+    assert "positive --num-query-groups" in problem(BASE + ["--group-query-attention",
+                                                            "--num-query-groups", "0"])

@@ -355,6 +355,7 @@ def _model_cases(rank, world_size):
     _run_case("learned_absolute", "learned_absolute", True, _plain_samples(), [(1, 2)])
     _run_case("packed learned_absolute", "learned_absolute", True, _packed_samples(), [(1, 2)],
               PACKED, per_document=True)
+    _run_case("none", "none", False, _plain_samples(), [(1, 2)])  # NoPE: no position input
 
 
 def test_gpt_model_matches_unsharded_model():

@@ -148,8 +148,6 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
      "--ulysses-attention-backend te, not sdpa"),
     (FP8 + ["--fp8-dot-product-attention", "--ulysses-attention-backend", "te"], 1,
      "--fp8-dot-product-attention: not supported yet"),
-    (["--bf16", "--fp8-recipe", "tensorwise", "--fp8-margin", "1"], 1,
-     "--fp8-recipe, --fp8-margin set FP8 options without FP8"),
     (["--bf16", "--overlap-param-gather", "--overlap-grad-reduce"], 1,
      "needs --use-distributed-optimizer"),
     (["--bf16", "--overlap-param-gather", "--use-distributed-optimizer"], 1,

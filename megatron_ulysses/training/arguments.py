@@ -14,8 +14,8 @@ import torch
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
-from .config import (bounds, checkpoint, compat, data, fusions, logging, memory, model,
-                     optimizer, parallel, performance, training)
+from .config import (bounds, checkpoint, compat, data, fusions, grad_buckets, logging, memory,
+                     model, optimizer, parallel, performance, refused, training)
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
@@ -23,9 +23,10 @@ from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 
 # Each flag alone first (after the flags every check needs), then the sections' rules: data
 # first, since missing files are what a user fixes first; then the rules between sections.
-_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint, performance)
+_VALUE_CHECKS = (model, training, logging, optimizer, memory, data, checkpoint, performance,
+                 grad_buckets)
 _RULES = (data, model, memory, fusions, training, optimizer, parallel, bounds, checkpoint,
-          logging, performance)
+          logging, performance, grad_buckets, compat)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -87,7 +88,7 @@ def _typed(parser, action, value):
 
 
 def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
-    """One refusal for the out-of-scope Megatron-LM flags (and --context-parallel-size > 1),
+    """One refusal for the refused Megatron-LM flags (and context / expert parallelism > 1),
     one line for the unknown words, each flag with its values and the closest known flags."""
     given, flag = {}, None
     for word in unknown:
@@ -98,15 +99,16 @@ def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
             given[flag].append(word)
         else:  # a stray value, e.g. after a store_true flag
             given.setdefault(word, [])
-    groups = compat.out_of_scope(given)
-    context_parallel = parallel.context_parallel_refusal(namespace)
+    groups = refused.out_of_scope(given)
+    extra = [why for why in (parallel.context_parallel_refusal(namespace),
+                             parallel.expert_parallel_refusal(namespace)) if why]
     problems = []
-    if groups or context_parallel:
-        problems.append(compat.refusal(groups, [context_parallel] if context_parallel else []))
-    refused = {name for names in groups.values() for name in names}
+    if groups or extra:
+        problems.append(refused.refusal(groups, extra))
+    named = {name for names in groups.values() for name in names}
     known = list(parser._option_string_actions)
     words = [" ".join([word] + values) + _did_you_mean(word, known)
-             for word, values in given.items() if word not in refused]
+             for word, values in given.items() if word not in named]
     if words:
         problems.append("unrecognized arguments: " + " ".join(words))
     return problems
@@ -129,7 +131,7 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     parallel.add_arguments(parser)
     model.add_arguments(parser, model_flags_required)
     for section in (memory, fusions, training, optimizer, data, logging, checkpoint, compat,
-                    performance):
+                    performance, grad_buckets):
         section.add_arguments(parser)
     return parser
 

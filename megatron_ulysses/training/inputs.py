@@ -36,10 +36,10 @@ def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
     if training.skip_train:
         sizes, valid_consumed = [gbs, training.eval_iters * eval_gbs, 0], 0
     else:
-        evaluations = training.train_iters // training.eval_interval + 1
+        evaluations = training.evaluations_through(training.train_iters) + 1
         train_samples = samples_after(training.train_iters, training.batch_size_schedule, gbs)
         sizes = [train_samples, evaluations * training.eval_iters * eval_gbs, 0]
-        valid_consumed = iteration // training.eval_interval * training.eval_iters * eval_gbs
+        valid_consumed = training.evaluations_through(iteration) * training.eval_iters * eval_gbs
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         tokenizer, config.model.seq_length, sizes,
         data_path=list(config.data.data_path) if config.data.data_path else None,

@@ -91,7 +91,7 @@ def pretrain(config: RunConfig) -> None:
     dims = config.dims
     config = config.with_padded_vocab_size(model_vocab_size(
         tokenizer.vocab_size, config.model.padded_vocab_size,
-        config.model.make_vocab_size_divisible_by, dims.tp))
+        config.model.make_vocab_size_divisible_by, dims.tp, config.model.pad_vocab_size))
     initialize_distributed(config)
     print_rank_0(f" > world {dims.world_size} = TP {dims.tp} x PP {dims.pp} x DP {dims.dp} x "
                  f"Ulysses SP {dims.sp}; {config.training.num_microbatches} micro batches per "
@@ -158,7 +158,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
         hooks.after_step(iteration, model)
         if iteration == start + 1 and (strategy := sharding_strategy(config.performance)):
             log_rank_bytes(model, optimizer, strategy)
-        if valid_batches is not None and iteration % training.eval_interval == 0:
+        if valid_batches is not None and training.evaluates_after(iteration):
             _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
         stop, reason = _stop_after(iteration, training, exit_request)
         interval = checkpoint.save_interval and iteration % checkpoint.save_interval == 0

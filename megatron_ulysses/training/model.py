@@ -28,6 +28,7 @@ from ..memory.activation_offload import enable_activation_offload
 from ..parallel_state import ParallelDims
 from .chunks import model_chunks
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
+from .config import grad_buckets
 from .config.performance import ddp_kwargs, transformer_kwargs
 from .fsdp import UlyssesTorchFSDP2
 from .optimizer import build_optimizer
@@ -63,6 +64,7 @@ def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool
         attention_dropout=model.attention_dropout,
         hidden_dropout=model.hidden_dropout,
         init_method_std=model.init_method_std,
+        embedding_init_method_std=model.embedding_init_method_std,
         **_init_methods(model),
         layernorm_zero_centered_gamma=model.apply_layernorm_1p,
         rotary_interleaved=model.rotary_interleaved,
@@ -204,10 +206,12 @@ def wrap_model(gpt, model: ModelConfig, optimizer: OptimizerConfig, config: Tran
 
 
 def ddp_config_kwargs(optimizer: OptimizerConfig, performance: PerformanceConfig) -> dict:
-    """`DistributedDataParallelConfig`'s arguments."""
+    """`DistributedDataParallelConfig`'s arguments (with FSDP2 its subclass's)."""
+    fsdp2 = {"reshard_after_forward": performance.torch_fsdp2_reshard_after_forward} \
+        if performance.use_torch_fsdp2 else {}
     return dict(overlap_grad_reduce=optimizer.overlap_grad_reduce,
                 use_distributed_optimizer=optimizer.use_distributed_optimizer,
-                **ddp_kwargs(performance))
+                **ddp_kwargs(performance), **grad_buckets.ddp_kwargs(performance), **fsdp2)
 
 
 def gather_params(model, performance: PerformanceConfig) -> None:

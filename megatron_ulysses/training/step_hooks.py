@@ -116,5 +116,6 @@ def _torch_profiler(training: TrainingConfig, directory: str, rank: int):
     return torch.profiler.profile(
         schedule=torch.profiler.schedule(wait=max(start - 1, 0), warmup=1 if start > 0 else 0,
                                          active=training.profile_step_end - start, repeat=1),
-        on_trace_ready=write,
+        on_trace_ready=write, record_shapes=training.pytorch_profiler_collect_shapes,
+        with_stack=training.pytorch_profiler_collect_callstack,
     )

@@ -6,7 +6,9 @@ One module per section holds its dataclass, its flags (`add_arguments`, one argp
 its own rules (`check_values`: each flag alone; `validate`: the section's rules and derived
 defaults): `parallel` (-> `ParallelDims`), `model` (with its `memory` and `fusions` parts),
 `optimizer`, `data`, `training`, `checkpoint`, `logging`, `performance` (GPU speed features) and
-`compat` (Megatron-LM flags accepted for compatibility). The rules between sections live in `rules`; `checks` has the shared checks.
+`compat` (Megatron-LM flags accepted for compatibility, or with no effect here); `refused` names
+the Megatron-LM flags refused without parsing. The rules between sections live in `rules`;
+`checks` has the shared checks.
 `training/arguments.py` runs them in order.
 
 Every field is named as Megatron-LM's argument (`hidden_size` is `--hidden-size`; `flag_name`

@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
     g = parser.add_argument_group("checkpoints")
     g.add_argument("--save", type=str, default=None)
     g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
                    default=True, help="spread the writing of tensors replicated over DP x SP "
@@ -50,7 +50,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="with --load: take the model's shape flags (--num-layers, "
                    "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
-                   "checkpoint instead of the command line")
+                   "checkpoint where the command line does not give them")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
+                   "the command line gives them")
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
                    help="checkpoints are megatron-core dist_checkpointing (torch_dist); torch "
                    "and torch_dcp write torch_dist too (Megatron-LM loads it), with a warning")
@@ -112,6 +115,9 @@ def validate(args, ctx: Context) -> None:
     require(not (args.finetune and args.load is None), "--finetune needs --load")
     require(not (args.use_checkpoint_args and args.load is None),
             "--use-checkpoint-args needs --load")
+    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
+        ctx.warnings.append("--use-mp-args-from-checkpoint-args has no effect without "
+                            "--use-checkpoint-args (as in Megatron-LM)")
     require(not (args.exit_on_missing_checkpoint and args.load is None),
             "--exit-on-missing-checkpoint needs --load")
     if args.exit_on_missing_checkpoint:
@@ -193,6 +199,8 @@ CHECKPOINT_ARGS = (
     "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
     "qk_layernorm", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
 )
+# What --use-mp-args-from-checkpoint-args takes from the checkpoint over the command line.
+_PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
 def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset()) -> None:
@@ -211,8 +219,9 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
                if saved.get(k) is None]
     require(not missing, f"--use-checkpoint-args: the checkpoint at --load {args.load} holds "
             f"no {', '.join(missing)}; give them on the command line")
+    forced = _PARALLEL_ARGS if args.use_mp_args_from_checkpoint_args else ()
     for name in CHECKPOINT_ARGS:
-        if name in saved and flag_name(name) not in given:
+        if name in saved and (flag_name(name) not in given or name in forced):
             setattr(args, name, saved[name])
     if "num_query_groups" in saved and not given & {"--group-query-attention",
                                                     "--num-query-groups"}:

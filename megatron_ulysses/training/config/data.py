@@ -1,5 +1,6 @@
 """The data section: data sets, tokenizer and the sequence-sharded loader."""
 
+import json
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -56,6 +57,11 @@ def add_arguments(parser) -> None:
         g.add_argument(f"--{name}-data-path", nargs="*", default=None,
                        help=f"the {name} split's own data (as --data-path), instead of "
                        "--data-path and --split")
+    g.add_argument("--data-args-path", default=None,
+                   help="a file holding --data-path's words (prefixes and blend weights)")
+    g.add_argument("--per-split-data-args-path", default=None,
+                   help="a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} of "
+                   "--train/valid/test-data-path's words")
     g.add_argument("--split", type=str, default="969,30,1",
                    help="train,valid,test weights of --data-path's documents (one pair of "
                    "surrounding quotes is ignored, as Megatron-LM reads only the digits)")
@@ -69,6 +75,34 @@ def add_arguments(parser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+
+
+def _read_data_args(args) -> None:
+    """--data-args-path / --per-split-data-args-path: the data paths from a file, as
+    Megatron-LM reads them (whitespace-separated words; JSON per split)."""
+    for flag, path, given in (("--data-args-path", args.data_args_path, args.data_path),
+                              ("--per-split-data-args-path", args.per_split_data_args_path,
+                               any(getattr(args, f"{name}_data_path") for name in SPLIT_NAMES))):
+        if path is None:
+            continue
+        require(not given, f"give {flag} or the data paths it holds, not both")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{flag} {path}: cannot read it ({error})") from None
+        if flag == "--data-args-path":
+            args.data_path = text.split()
+            continue
+        try:
+            splits = json.loads(text)
+            for name in SPLIT_NAMES:
+                words = splits.get(name)
+                setattr(args, f"{name}_data_path", words.split() if isinstance(words, str)
+                        else [str(word) for word in words] if words else None)
+        except (ValueError, AttributeError) as error:
+            raise ConfigError(f"{flag} {path}: not a JSON object of the train, valid and test "
+                              f"paths ({error})") from None
 
 
 def check_values(args) -> None:
@@ -85,6 +119,7 @@ def validate(args, ctx: Context) -> None:
         parse_split(args.split)
     except ValueError as error:
         raise ConfigError(str(error)) from None
+    _read_data_args(args)
     per_split = {name: getattr(args, f"{name}_data_path") for name in SPLIT_NAMES}
     sources = [flag for flag, given in (("--mock-data", args.mock_data),
                                         ("--data-path", bool(args.data_path)),

@@ -59,7 +59,8 @@ def add_arguments(parser) -> None:
                    "--log-interval)")
     g.add_argument("--log-validation-ppl-to-tensorboard", action="store_true",
                    help="also write validation perplexity")
-    g.add_argument("--no-log-loss-scale-to-tensorboard", action="store_false",
+    g.add_argument("--no-log-loss-scale-to-tensorboard", "--disable-log-loss-scale-to-tensorboard",
+                   action="store_false",
                    dest="log_loss_scale_to_tensorboard")
     g.add_argument("--log-world-size-to-tensorboard", action="store_true")
     g.add_argument("--logging-level", type=int, default=None,

@@ -57,9 +57,14 @@ def validate(args, ctx: Context) -> None:
         args.recompute_granularity = "selective"
     if args.recompute_granularity == "full":
         _check_full_recompute(args, ctx.dims.pp)
-    else:
+    elif args.recompute_granularity == "selective":
         require(args.recompute_method is None and args.recompute_num_layers is None,
-                "--recompute-method/--recompute-num-layers need --recompute-granularity full")
+                "--recompute-method/--recompute-num-layers need --recompute-granularity full, "
+                "not selective (Megatron-LM's and megatron-core's rule)")
+    elif args.recompute_method is not None or args.recompute_num_layers is not None:
+        ctx.warnings.append("--recompute-method/--recompute-num-layers are ignored without "
+                            "--recompute-granularity full (as in Megatron-LM)")
+        args.recompute_method = args.recompute_num_layers = None
     if args.recompute_modules is not None:
         require(args.recompute_granularity == "selective",
                 "--recompute-modules needs --recompute-granularity selective")

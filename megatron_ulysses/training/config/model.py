@@ -62,6 +62,8 @@ class ModelConfig(MemoryFields, FusionFields, PipelineFields):
     use_cpu_initialization: bool
     # --padded-vocab-size, or from the tokenizer by `pretrain` (`vocab.model_vocab_size`)
     padded_vocab_size: Optional[int] = None
+    pad_vocab_size: bool = True  # --no-pad-vocab-size: the tokenizer's rows, not padded
+    embedding_init_method_std: Optional[float] = None  # default --init-method-std
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -118,13 +120,15 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
     g.add_argument("--num-attention-heads", type=int, required=required)
     g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None)
+    g.add_argument("--num-query-groups", type=int, default=None,
+                   help="with --group-query-attention (default 1 there, as in Megatron-LM)")
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default --seq-length")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute"),
-                   default="learned_absolute")
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="learned_absolute",
+                   help="none: no position information (NoPE), as megatron-core's GPTModel")
     g.add_argument("--use-rotary-position-embeddings", action="store_const",
                    dest="position_embedding_type", const="rope",
                    help="= --position-embedding-type rope (Megatron-LM's older flag)")
@@ -164,6 +168,23 @@ def _add_shape_arguments(g, required: bool) -> None:
                    help="the model's vocabulary rows as given (>= the tokenizer's, divisible "
                    "by TP); default: the tokenizer's rounded up to --make-vocab-size-"
                    "divisible-by x TP")
+    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size",
+                   action="store_false", help="no vocab padding: the model has the tokenizer's "
+                   "rows (or --padded-vocab-size), which must divide by TP")
+    g.add_argument("--embedding-init-method-std", type=float, default=None,
+                   help="the std of the embedding's normal initialization (default "
+                   "--init-method-std), megatron-core's embedding_init_method_std")
+    _add_variant_arguments(g)
+
+
+def _add_variant_arguments(g) -> None:
+    """Megatron-LM's attention and MLP variants: their defaults (what this model is) only."""
+    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"),
+                   default="vanilla", help="only vanilla (the standard softmax) here")
+    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
+                   help="only rope here (Megatron-LM's standard attention takes no other)")
+    g.add_argument("--glu-linear-offset", type=float, default=0.0,
+                   help="only 0 here (the gated MLP is silu(x0) * x1)")
 
 
 def check_values(args) -> None:
@@ -182,12 +203,21 @@ def check_values(args) -> None:
         check_range(args, name, low=0, low_open=True)
     check_range(args, "rotary_seq_len_interpolation_factor", low=0, low_open=True,
                 optional=True)
+    check_range(args, "embedding_init_method_std", low=0, low_open=True, optional=True)
+    require(args.softmax_type == "vanilla", f"--softmax-type {args.softmax_type}: only the "
+            "vanilla softmax is built here (the attention backends between the Ulysses "
+            "all-to-alls have no softmax offset); drop it")
+    require(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type}: standard "
+            "attention takes only rope (as in Megatron-LM, where yarn is multi-latent "
+            "attention's); drop it")
+    require(args.glu_linear_offset == 0, f"--glu-linear-offset {args.glu_linear_offset}: the "
+            "gated MLP here is silu(x0) * x1, with no offset; drop it")
 
 
 def validate(args, ctx: Context) -> None:
     """Fill in the shape defaults and check the shape against the parallel layout, then the
     layers and attention, precision and RoPE."""
-    _fill_shape(args, ctx.dims)
+    _fill_shape(args, ctx)
     _resolve_layers_and_attention(args, ctx.cuda)
     require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; give one")
     require(ctx.cuda or not (args.bf16 or args.fp16),
@@ -260,13 +290,20 @@ def mup_supported() -> bool:
     return "use_mup" in TransformerConfig.__dataclass_fields__
 
 
-def _fill_shape(args, dims) -> None:
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise ConfigError("--num-query-groups needs --group-query-attention")
+def _fill_shape(args, ctx: Context) -> None:
+    """Megatron-LM's derived shape defaults (--num-query-groups 1 with --group-query-attention,
+    ignored without it; --kv-channels, --ffn-hidden-size, --max-position-embeddings)."""
+    dims = ctx.dims
     if args.group_query_attention:
-        require(args.num_query_groups is not None and args.num_query_groups > 0,
-                "--group-query-attention needs a positive --num-query-groups")
+        if args.num_query_groups is None:
+            args.num_query_groups = 1
+        require(args.num_query_groups > 0, "--group-query-attention needs a positive "
+                f"--num-query-groups, got {args.num_query_groups}")
     else:
+        if args.num_query_groups is not None:
+            ctx.warnings.append(f"--num-query-groups {args.num_query_groups} is ignored without "
+                                "--group-query-attention (as in Megatron-LM): every query head "
+                                "has its own key / value head")
         args.num_query_groups = args.num_attention_heads
     if args.kv_channels is None:
         require(args.hidden_size % args.num_attention_heads == 0,

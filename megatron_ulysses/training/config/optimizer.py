@@ -66,6 +66,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
                    help="weight decay on the q/k layernorm weights too (other 1-D params and "
                    "biases stay without)")
+    g.add_argument("--no-weight-decay-cond-type", choices=("apply_wd_to_qk_layernorm",),
+                   default=None, help="Megatron-LM's deprecated spelling of "
+                   "--apply-wd-to-qk-layernorm")
     g.add_argument("--calculate-per-token-loss", action="store_true",
                    help="accepted: describes what we always do (the loss and its gradients are "
                    "normalized by the unmasked tokens of the whole global batch). Without it "
@@ -76,10 +79,12 @@ def add_arguments(parser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--override-opt_param-scheduler", action="store_true",
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
+                   action="store_true",
                    help="on --load, take the LR / weight-decay schedule from these flags, not "
                    "from the checkpoint")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", action="store_true",
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true",
                    help="on --load, take the LR / weight-decay schedule from the checkpoint "
                    "(without either flag a schedule that differs from the flags is an error)")
     g.add_argument("--loss-scale", type=float, default=None,
@@ -163,6 +168,10 @@ def validate(args, ctx: Context) -> None:
     require(args.lr_warmup_init <= args.lr,
             f"--lr-warmup-init ({args.lr_warmup_init}) must be <= --lr ({args.lr})")
     _check_decoupled_lr(args, ctx)
+    if args.no_weight_decay_cond_type is not None:  # as Megatron-LM: said, then mapped
+        ctx.warnings.append("--no-weight-decay-cond-type is deprecated (as in Megatron-LM); "
+                            "use --apply-wd-to-qk-layernorm")
+        args.apply_wd_to_qk_layernorm = True
     _check_weight_decay(args)
     _schedule_lengths(args)
     _check_wsd(args)

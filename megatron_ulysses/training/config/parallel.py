@@ -54,6 +54,10 @@ def add_arguments(parser) -> None:
                    help="context parallelism's exchange; no effect at --context-parallel-size 1")
     g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
                    help="their product must be --context-parallel-size (1 here)")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="MoE's expert parallelism: only 1 here (no experts)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                   help="MoE's expert TP: ignored without experts, as in Megatron-LM")
     g.add_argument("--disable-gloo-process-groups", action="store_false",
                    dest="use_gloo_process_groups",
                    help="create no extra gloo groups in megatron-core's parallel state")
@@ -120,8 +124,22 @@ def context_parallel_refusal(args) -> Optional[str]:
     return None
 
 
+def expert_parallel_refusal(args) -> Optional[str]:
+    """Why --expert-model-parallel-size cannot run as given (None: it is 1)."""
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if not isinstance(ep, int) or ep == 1:
+        return None  # a bad value: reported by the parser
+    return (f"--expert-model-parallel-size {ep}: expert parallelism splits MoE experts, which "
+            "are not supported here (Megatron-LM too needs --num-experts for it); use 1")
+
+
 def validate(args, ctx: Context) -> None:
     require(context_parallel_refusal(args) is None, str(context_parallel_refusal(args)))
+    require(expert_parallel_refusal(args) is None, str(expert_parallel_refusal(args)))
+    if args.expert_tensor_parallel_size is not None:
+        ctx.warnings.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size} "
+                            "is ignored: there are no MoE experts (as in Megatron-LM without "
+                            "--num-experts)")
     if ctx.dims.pp == 1:
         given = [flag_name(name) for name in _PIPELINE_ONLY if getattr(args, name)]
         require(not given, f"{', '.join(given)} need --pipeline-model-parallel-size > 1 (as in "

@@ -23,9 +23,12 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
+
 from ...backends import te_available
 from ...errors import ConfigError
 from .checks import Context, check_range, require
+from .grad_buckets import GradBucketFields
 
 _SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -37,6 +40,10 @@ _FP8_FLAGS = (
     ("--fp8-amax-compute-algo", "fp8_amax_compute_algo", "most_recent"),
     ("--fp8-param-gather", "fp8_param_gather", False),
     ("--fp8-dot-product-attention", "fp8_dot_product_attention", False),
+    ("--no-fp8-wgrad", "fp8_wgrad", True),
+    ("--first-last-layers-bf16", "first_last_layers_bf16", False),
+    ("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", 1),
+    ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", 1),
 )
 _FSDP_FLAGS = (
     ("--use-megatron-fsdp", "use_megatron_fsdp", False),
@@ -52,6 +59,16 @@ _FSDP_OPTIONS = (
     ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
     ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
     ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
+)
+# The precision-aware optimizer's dtypes (TE's FusedAdam): other than fp32 only with it.
+# Megatron-LM's map of their names (fp8 states are stored as uint8).
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+           "fp8": torch.uint8}
+_OPTIMIZER_DTYPES = (
+    ("--main-grads-dtype", "main_grads_dtype", "fp32"),
+    ("--main-params-dtype", "main_params_dtype", "fp32"),
+    ("--exp-avg-dtype", "exp_avg_dtype", "fp32"),
+    ("--exp-avg-sq-dtype", "exp_avg_sq_dtype", "fp32"),
 )
 # megatron-core's HybridDeviceOptimizer options: meaningful with --optimizer-cpu-offload only
 _OFFLOAD_OPTIONS = (
@@ -69,7 +86,8 @@ _OTHER_FLAGS = (
     ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances", 1),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
     ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
-    *_OFFLOAD_OPTIONS,
+    *_OFFLOAD_OPTIONS, *_OPTIMIZER_DTYPES,
+    ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", False),
     ("--tp-comm-overlap", "tp_comm_overlap", False),
     ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None),
     ("--cuda-graph-impl", "cuda_graph_impl", "none"),
@@ -79,7 +97,7 @@ _OTHER_FLAGS = (
 
 
 @dataclass(frozen=True)
-class PerformanceConfig:
+class PerformanceConfig(GradBucketFields):
     """What megatron-core's configs receive from this section (defaults: none of it)."""
 
     fp8: Optional[str] = None  # --fp8-format
@@ -106,6 +124,16 @@ class PerformanceConfig:
     use_torch_fsdp2: bool = False
     use_megatron_fsdp: bool = False
     data_parallel_sharding_strategy: str = "optim_grads_params"  # with --use-megatron-fsdp
+    torch_fsdp2_reshard_after_forward: bool = True  # with --use-torch-fsdp2
+    fp8_wgrad: bool = True
+    first_last_layers_bf16: bool = False
+    num_layers_at_start_in_bf16: int = 1
+    num_layers_at_end_in_bf16: int = 1
+    main_grads_dtype: str = "fp32"  # the precision-aware optimizer's
+    main_params_dtype: str = "fp32"
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
+    disable_bf16_reduced_precision_matmul: bool = False
 
 
 def transformer_kwargs(perf: PerformanceConfig) -> dict:
@@ -117,13 +145,19 @@ def transformer_kwargs(perf: PerformanceConfig) -> dict:
                 fp8_param=perf.fp8_param_gather,
                 fp8_dot_product_attention=perf.fp8_dot_product_attention,
                 defer_embedding_wgrad_compute=perf.defer_embedding_wgrad_compute,
-                wgrad_deferral_limit=perf.wgrad_deferral_limit)
+                wgrad_deferral_limit=perf.wgrad_deferral_limit, fp8_wgrad=perf.fp8_wgrad,
+                first_last_layers_bf16=perf.first_last_layers_bf16,
+                num_layers_at_start_in_bf16=perf.num_layers_at_start_in_bf16,
+                num_layers_at_end_in_bf16=perf.num_layers_at_end_in_bf16,
+                disable_bf16_reduced_precision_matmul=perf.disable_bf16_reduced_precision_matmul)
 
 
 def ddp_kwargs(perf: PerformanceConfig) -> dict:
     """DistributedDataParallelConfig's fields, as Megatron-LM's get_megatron_ddp_config sets
-    them: grads accumulate and reduce in fp32 unless --grad-reduce-in-bf16."""
-    kwargs = dict(grad_reduce_in_fp32=not perf.grad_reduce_in_bf16,
+    them: grads accumulate and reduce in fp32 unless --grad-reduce-in-bf16 or a
+    --main-grads-dtype bf16."""
+    in_fp32 = not perf.grad_reduce_in_bf16 and perf.main_grads_dtype == "fp32"
+    kwargs = dict(grad_reduce_in_fp32=in_fp32,
                   overlap_param_gather=perf.overlap_param_gather,
                   align_param_gather=perf.align_param_gather,
                   num_distributed_optimizer_instances=perf.num_distributed_optimizer_instances,
@@ -143,7 +177,9 @@ def optimizer_kwargs(perf: PerformanceConfig) -> dict:
                 overlap_cpu_optimizer_d2h_h2d=perf.overlap_cpu_optimizer_d2h_h2d,
                 use_torch_optimizer_for_cpu_offload=perf.use_torch_optimizer_for_cpu_offload,
                 pin_cpu_grads=perf.pin_cpu_grads, pin_cpu_params=perf.pin_cpu_params,
-                fp8_recipe=perf.fp8_recipe if perf.fp8 else None)
+                fp8_recipe=perf.fp8_recipe if perf.fp8 else None,
+                **{name: _DTYPES[getattr(perf, name)] for _, name, _ in _OPTIMIZER_DTYPES})
+
 
 
 def add_arguments(parser) -> None:
@@ -202,6 +238,15 @@ def _add_fp8_arguments(g) -> None:
     g.add_argument("--fp8-dot-product-attention", action="store_true",
                    help="FP8 core attention between the two all-to-alls (TE's kernel: "
                    "--ulysses-attention-backend te only)")
+    g.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad",
+                   action="store_false", help="weight gradients in bf16 / fp16, not FP8")
+    g.add_argument("--first-last-layers-bf16", action="store_true",
+                   help="keep the first and last layers out of FP8 (not with --fp8-recipe "
+                   "delayed)")
+    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: the first layers kept in bf16")
+    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
+                   help="with --first-last-layers-bf16: the last layers kept in bf16")
 
 
 def _add_optimizer_arguments(g) -> None:
@@ -225,6 +270,14 @@ def _add_optimizer_arguments(g) -> None:
                    help="with --optimizer-cpu-offload: pageable host gradient copies")
     g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
                    help="with --optimizer-cpu-offload: pageable host parameter copies")
+    for flag, _, _ in _OPTIMIZER_DTYPES:  # Megatron-LM's choices
+        choices = {"--main-grads-dtype": ("fp32", "bf16"),
+                   "--main-params-dtype": ("fp32", "fp16")}.get(flag, tuple(_DTYPES))
+        g.add_argument(flag, choices=choices, default="fp32",
+                       help="with --use-precision-aware-optimizer: this state's dtype")
+    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
+                   help="with --bf16: cuBLAS accumulates bf16 GEMMs in full precision "
+                   "(torch's allow_bf16_reduced_precision_reduction off)")
 
 
 def _add_fsdp_arguments(g) -> None:
@@ -236,6 +289,9 @@ def _add_fsdp_arguments(g) -> None:
     g.add_argument("--use-torch-fsdp2", action="store_true",
                    help="megatron-core's torch FSDP2 wrapper over DP x SP: parameters, gradients "
                    "and Adam moments sharded (CPU and GPU; torch_dist checkpoints)")
+    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
+                   dest="torch_fsdp2_reshard_after_forward", help="with --use-torch-fsdp2: keep "
+                   "the gathered parameters from the forward to the backward (ZeRO-2)")
     g.add_argument("--data-parallel-sharding-strategy", choices=_SHARDING,
                    default="optim_grads_params",
                    help="with --use-megatron-fsdp: what is sharded over DP x SP: no_shard "
@@ -276,6 +332,7 @@ def validate(args, ctx: Context) -> None:
     args.align_param_gather = args.align_param_gather and \
         args.virtual_pipeline_model_parallel_size is not None
     _check_torch_fsdp2(args, ctx)
+    _drop_fp8_options(args, ctx)
     given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
     if not ctx.cuda:
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
@@ -308,12 +365,20 @@ def validate(args, ctx: Context) -> None:
             "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
 
 
+def _drop_fp8_options(args, ctx: Context) -> None:
+    """FP8 options without --fp8-format change nothing in Megatron-LM (megatron-core reads them
+    only with FP8): said once, and back to their defaults (so CPU runs take them too)."""
+    extra = given_flags(args, _FP8_FLAGS[1:]) if args.fp8 is None else []
+    if extra:
+        ctx.warnings.append(f"{', '.join(extra)}: FP8 options without --fp8-format are ignored "
+                            "(as in Megatron-LM)")
+        for _, dest, off in _FP8_FLAGS[1:]:
+            setattr(args, dest, off)
+
+
 def _check_fp8(args) -> None:
     """Megatron-LM's and Transformer Engine's FP8 rules, on the flags of this run."""
-    if args.fp8 is None:
-        extra = given_flags(args, _FP8_FLAGS[1:])
-        require(not extra, f"{', '.join(extra)} set FP8 options without FP8: add --fp8-format "
-                "hybrid (or e4m3), or drop them")
+    if args.fp8 is None:  # its options were set aside by `_drop_fp8_options`
         return
     require(args.transformer_impl == "transformer_engine",
             f"--fp8-format {args.fp8} runs Transformer Engine's FP8 GEMMs: it needs "
@@ -321,6 +386,7 @@ def _check_fp8(args) -> None:
     require(args.bf16 or args.fp16, f"--fp8-format {args.fp8} needs --bf16 or --fp16 (the "
             "weights, the Ulysses all-to-all and the non-FP8 ops run in that dtype)")
     _check_fp8_recipe(args)
+    _check_bf16_layers(args)
     require(not args.fp8_param_gather or args.use_distributed_optimizer,
             "--fp8-param-gather all-gathers the distributed optimizer's FP8 weights: it needs "
             "--use-distributed-optimizer")
@@ -334,9 +400,21 @@ def _check_fp8(args) -> None:
                         "drop it (the linear layers still run in FP8)")
 
 
+def _check_bf16_layers(args) -> None:
+    """--first-last-layers-bf16: megatron-core's TransformerConfig rules."""
+    if not args.first_last_layers_bf16:
+        return
+    require(args.fp8_recipe != "delayed", "--first-last-layers-bf16 is not supported with "
+            "--fp8-recipe delayed (megatron-core's rule); use tensorwise or blockwise")
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"):
+        count = getattr(args, flag[2:].replace("-", "_"))
+        require(0 <= count <= per_stage, f"{flag} ({count}) must be between 0 and the layers "
+                f"per pipeline stage ({per_stage})")
+
+
 def _check_fp8_recipe(args) -> None:
     """The recipes this GPU and TE run (megatron-core's fp8_utils picks TE's recipe class)."""
-    import torch
     from megatron.core.utils import is_te_min_version
 
     recipe = args.fp8_recipe
@@ -405,6 +483,13 @@ def _check_optimizer(args) -> None:
         given = given_flags(args, _OFFLOAD_OPTIONS)
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
                 "--optimizer-cpu-offload")
+    dtypes = given_flags(args, _OPTIMIZER_DTYPES)
+    require(not dtypes or args.use_precision_aware_optimizer,
+            f"{', '.join(dtypes)} other than fp32 {'needs' if len(dtypes) == 1 else 'need'} "
+            "--use-precision-aware-optimizer (megatron-core's rule)")
+    require(not (args.accumulate_allreduce_grads_in_fp32 and args.main_grads_dtype != "fp32"),
+            f"--accumulate-allreduce-grads-in-fp32 needs --main-grads-dtype fp32 (got "
+            f"{args.main_grads_dtype}), as in Megatron-LM")
 
 
 def _check_tp_comm_overlap(args, ctx: Context) -> None:
@@ -425,6 +510,8 @@ def _check_tp_comm_overlap(args, ctx: Context) -> None:
 def _check_torch_fsdp2(args, ctx: Context) -> None:
     """Megatron-LM's rules for --use-torch-fsdp2, and what it does not take here."""
     if not args.use_torch_fsdp2:
+        require(args.torch_fsdp2_reshard_after_forward,
+                "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
         return
     require(not args.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp are "
             "exclusive; give one")

@@ -29,7 +29,8 @@ def check_run_length(args, ctx: Context) -> None:
 def validate(args, ctx: Context) -> None:
     """The rules between sections, in the order their warnings are said."""
     _check_splits_against_run(args, ctx)
-    require(not (args.no_position_embedding and args.position_embedding_type != "rope"),
+    require(not (args.no_position_embedding and
+                 args.position_embedding_type == "learned_absolute"),
             "--no-position-embedding leaves no position information with "
             f"--position-embedding-type {args.position_embedding_type}; add "
             "--position-embedding-type rope (or --use-rotary-position-embeddings)")
@@ -117,11 +118,14 @@ def _check_rope_fusion(args, ctx: Context) -> None:
 
 
 def _check_exits_and_saves(args, ctx: Context) -> None:
-    """The exits save, so they need --save; --skip-train neither loads nor saves by itself."""
-    require(not (args.exit_signal_handler and args.save is None),
-            "--exit-signal-handler saves before exiting: it needs --save")
-    require(not (args.exit_duration_in_mins is not None and args.save is None),
-            "--exit-duration-in-mins saves before exiting: it needs --save")
+    """The exits save where there is a --save (without one they only stop the run, as
+    Megatron-LM's); --skip-train neither loads nor saves by itself."""
+    exits = [flag for flag, given in (("--exit-signal-handler", args.exit_signal_handler),
+                                      ("--exit-duration-in-mins",
+                                       args.exit_duration_in_mins is not None)) if given]
+    if exits and args.save is None and not args.skip_train:
+        ctx.warnings.append(f"{' and '.join(exits)} without --save: the run stops without "
+                            "saving a checkpoint (as in Megatron-LM)")
     if args.skip_train:
         if args.load is None:
             ctx.warnings.append("--skip-train without --load evaluates the freshly initialised "

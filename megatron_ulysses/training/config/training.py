@@ -44,6 +44,19 @@ class TrainingConfig:
     profile_step_end: int
     profile_ranks: Tuple[int, ...]
     check_weight_hash_across_dp_replicas_interval: Optional[int]
+    start_eval_at_iter: Optional[int] = None  # no evaluation before this iteration
+    pytorch_profiler_collect_shapes: bool = False
+    pytorch_profiler_collect_callstack: bool = False
+
+    def evaluates_after(self, iteration: int) -> bool:
+        """Whether the loop evaluates after `iteration` steps: every --eval-interval, from
+        --start-eval-at-iter on."""
+        return iteration % self.eval_interval == 0 and iteration >= (self.start_eval_at_iter or 0)
+
+    def evaluations_through(self, iteration: int) -> int:
+        """How many evaluations the steps 1..`iteration` are followed by."""
+        first = max(1, -(-(self.start_eval_at_iter or 0) // self.eval_interval))
+        return max(0, iteration // self.eval_interval - first + 1)
 
 
 def add_arguments(parser) -> None:
@@ -51,11 +64,19 @@ def add_arguments(parser) -> None:
     g.add_argument("--micro-batch-size", type=int, required=True)
     g.add_argument("--global-batch-size", type=int, default=None,
                    help="default micro batch x data-parallel size")
+    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
+                   help="round --global-batch-size down to a multiple of micro batch x "
+                   "data-parallel size (instead of an error)")
+    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
+                   help="only single here (Megatron-LM's default: the pretraining sampler, "
+                   "resumable at any sample)")
     g.add_argument("--train-iters", type=int, default=None)
     g.add_argument("--train-samples", type=int, default=None,
                    help="instead of --train-iters: samples / global batch size iterations")
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=100)
+    g.add_argument("--start-eval-at-iter", type=int, default=None,
+                   help="evaluate every --eval-interval from this iteration on")
     g.add_argument("--skip-train", action="store_true",
                    help="no training: load the weights at --load, evaluate --eval-iters "
                    "validation batches (from the start of the valid split), print the "
@@ -63,10 +84,13 @@ def add_arguments(parser) -> None:
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--exit-interval", type=int, default=None)
     g.add_argument("--exit-duration-in-mins", type=number, default=None,
-                   help="save a checkpoint (needs --save) and exit once the run has taken this "
+                   help="save a checkpoint (with --save) and exit once the run has taken this "
                    "many minutes (checked after every iteration, the same on every rank)")
     g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM: save a checkpoint (needs --save) and exit")
+                   help="on --exit-signal: save a checkpoint (with --save) and exit")
+    g.add_argument("--exit-signal", default="SIGTERM",
+                   help="the signal of --exit-signal-handler, by name (only SIGTERM here: the "
+                   "helper processes block SIGTERM alone, so another signal would kill them)")
     g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
                    dest="check_for_nan_in_loss_and_grad",
                    help="train on past a NaN loss or a NaN / Inf gradient (without it the run "
@@ -84,9 +108,10 @@ def _add_run_arguments(g) -> None:
                    metavar=("START", "INCREMENT", "SAMPLES"),
                    help="grow the global batch from START by INCREMENT over SAMPLES samples "
                    "up to --global-batch-size (Megatron-LM's older ramp)")
-    g.add_argument("--step-batch-size-schedule", default=None,
+    g.add_argument("--step-batch-size-schedule", nargs="+", default=None,
                    help="'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T "
-                   "suffixes); excludes --global-batch-size")
+                   "suffixes); excludes --global-batch-size. One word or several: the "
+                   "unquoted expansion of a bash array splits it")
     g.add_argument("--eval-micro-batch-size", type=int, default=None,
                    help="default --micro-batch-size")
     g.add_argument("--eval-global-batch-size", type=int, default=None,
@@ -99,7 +124,8 @@ def _add_run_arguments(g) -> None:
                    "around evaluations, the same on every rank")
     g.add_argument("--manual-gc-interval", type=int, default=0,
                    help="0: collect only around evaluations")
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
+                   dest="manual_gc_eval",
                    help="with --manual-gc: no collection around evaluations")
     g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
                    help="torch.cuda.empty_cache() after each step (1), also after evaluation "
@@ -112,6 +138,11 @@ def _add_run_arguments(g) -> None:
                    help="needs megatron-core's rerun engine: refused")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="needs megatron-core's rerun engine: refused")
+    g.add_argument("--error-injection-rate", type=int, default=0,
+                   help="the rerun engine's fault injection (tests of Megatron-LM): only 0 here")
+    g.add_argument("--error-injection-type", choices=("correct_result", "transient_error",
+                                                      "persistent_error"),
+                   default="transient_error", help="with --error-injection-rate")
     g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
                    help="every N iterations: raise unless every DP x SP replica holds the same "
                    "weights (megatron-core's check_param_hashes_across_dp_replicas)")
@@ -127,6 +158,10 @@ def _add_run_arguments(g) -> None:
     g.add_argument("--profile-step-end", type=int, default=12)
     g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
                    help="default every rank")
+    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
+                   help="with --use-pytorch-profiler: record the tensors' shapes")
+    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
+                   help="with --use-pytorch-profiler: record the Python call stacks")
 
 
 def check_values(args) -> None:
@@ -143,10 +178,21 @@ def check_values(args) -> None:
                 optional=True)
     for name in ("eval_micro_batch_size", "eval_global_batch_size"):
         check_range(args, name, low=0, low_open=True, optional=True)
+    check_range(args, "start_eval_at_iter", low=0, optional=True)
+    require(args.dataloader_type in (None, "single"), f"--dataloader-type "
+            f"{args.dataloader_type}: only single (Megatron-LM's default) is built here: each "
+            "sample is read once, in order, resumable at any sample; drop it")
+    require(args.error_injection_rate == 0, f"--error-injection-rate "
+            f"{args.error_injection_rate} injects faults into megatron-core's rerun engine, which "
+            "megatron_ulysses does not wire; drop it")
     for flag in ("check_for_large_grads", "check_for_spiky_loss"):
         require(not getattr(args, flag), f"--{flag.replace('_', '-')} needs megatron-core's "
                 "rerun engine (re-running an iteration), which megatron_ulysses does not wire; "
                 "drop it (NaN losses and gradients are checked: --rerun-mode)")
+    require(args.exit_signal == "SIGTERM", f"--exit-signal {args.exit_signal}: only SIGTERM "
+            "is handled here (the data workers and checkpoint writers block SIGTERM alone, so "
+            "another signal sent to the job would kill them); send SIGTERM (e.g. SLURM's "
+            "--signal=TERM@120)")
     require(args.rerun_mode != "report_stats", "--rerun-mode report_stats needs megatron-core's "
             "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled")
     check_range(args, "seed", low=0, high=2**32 - 1)  # numpy seeds the data sampling with it
@@ -159,6 +205,11 @@ def validate(args, ctx: Context) -> None:
             f"batches; give a positive --eval-iters (got {args.eval_iters})")
     dims = ctx.dims
     per_step = args.micro_batch_size * dims.dp
+    if args.step_batch_size_schedule is not None:
+        args.step_batch_size_schedule = " ".join(args.step_batch_size_schedule)
+    require(args.step_batch_size_schedule is None or not args.decrease_batch_size_if_needed,
+            "give --step-batch-size-schedule or --decrease-batch-size-if-needed, not both (as "
+            "in Megatron-LM)")
     require(args.step_batch_size_schedule is None or args.global_batch_size is None,
             "give --step-batch-size-schedule or --global-batch-size, not both (Megatron-LM's "
             "rule: the schedule sets every global batch)")
@@ -166,6 +217,7 @@ def validate(args, ctx: Context) -> None:
             "give --step-batch-size-schedule or --rampup-batch-size, not both")
     if args.global_batch_size is None:
         args.global_batch_size = per_step
+    _decrease_batch_size(args, ctx, per_step)
     require(args.global_batch_size > 0 and args.global_batch_size % per_step == 0,
             f"--global-batch-size ({args.global_batch_size}) must be a positive multiple of "
             f"--micro-batch-size x data-parallel size ({args.micro_batch_size} x {dims.dp} = "
@@ -186,6 +238,20 @@ def validate(args, ctx: Context) -> None:
         args.distributed_backend = "nccl" if ctx.cuda else "gloo"
     require(not (args.distributed_backend == "nccl" and not ctx.cuda),
             "--distributed-backend nccl needs CUDA; use gloo")
+
+
+def _decrease_batch_size(args, ctx: Context, per_step: int) -> None:
+    """--decrease-batch-size-if-needed: the global batch rounded down to a multiple of
+    `per_step` (megatron-core's calculator), said once."""
+    gbs = args.global_batch_size
+    if not args.decrease_batch_size_if_needed or gbs % per_step == 0:
+        return
+    require(gbs >= per_step, f"--decrease-batch-size-if-needed: --global-batch-size ({gbs}) is "
+            f"smaller than --micro-batch-size x data-parallel size ({per_step}); raise it")
+    args.global_batch_size = gbs // per_step * per_step
+    ctx.warnings.append(f"--decrease-batch-size-if-needed: --global-batch-size {gbs} -> "
+                        f"{args.global_batch_size}, a multiple of --micro-batch-size x "
+                        f"data-parallel size ({per_step})")
 
 
 def _batch_size_schedule(args, ctx: Context):
