@@ -24,8 +24,6 @@ from megatron_ulysses.training.arguments import ConfigError, build_parser, parse
 from megatron_ulysses.training.config.refused import out_of_scope
 
 SP2 = ["--ulysses-sp-size", "2"]
-# Megatron-LM's spellings that the virtual-pipeline branch (vppalign) takes: drop once merged.
-PENDING = {"--no-align-grad-reduce", "--disable-align-grad-reduce", "--no-align-param-gather"}
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +136,7 @@ def test_every_megatron_lm_flag_is_taken_or_refused_by_name():
     known = set(build_parser()._option_string_actions)
     unknown = [flag for flag in flags if flag not in known]
     named = {flag for group in out_of_scope(unknown).values() for flag in group}
-    assert sorted(set(unknown) - named - PENDING) == []
+    assert sorted(set(unknown) - named) == []
 
 
 def test_every_parse_problem_is_in_the_one_message():
