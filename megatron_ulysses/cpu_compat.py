@@ -3,7 +3,7 @@ CPU quickstart). `install()` does nothing when CUDA is available.
 
 megatron-core assumes CUDA in a few places that matter for a CPU run: `torch.cuda.current_device()`
 as a tensor device (RoPE, GlobalMemoryBuffer, local attention), `torch.cuda.current_stream()`
-(DDP), `torch.cuda.synchronize()` (dist_checkpointing), the token count its pipeline schedules
+(DDP), `torch.cuda.synchronize()` (dist_checkpointing), the token count its schedules
 allocate on "cuda", the CUDA RNG tracker (dropout under
 tensor parallelism, activation recompute) and the "cuda" device mesh of its FSDP2 wrapper. On CPU
 these map to the CPU device, no-ops, a tracker over CPU generator states and a CPU mesh.
@@ -91,8 +91,9 @@ class _CpuDeviceMesh:
 
 
 class _CpuTokenCountTorch:
-    """`torch` as megatron-core's pipeline schedules see it: `torch.zeros(..., device="cuda")`
-    (their step's token count, the one CUDA tensor they make) on the CPU; all else is torch."""
+    """`torch` as megatron-core's schedules (no pipelining, 1F1B, interleaved) see it:
+    `torch.zeros(..., device="cuda")` (their step's token count, the one CUDA tensor they make) on
+    the CPU; all else is torch."""
 
     def __getattr__(self, name):
         return getattr(torch, name)

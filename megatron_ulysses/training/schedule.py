@@ -2,10 +2,10 @@
 
 megatron-core's schedule (`get_forward_backward_func`: no pipelining, 1F1B with PP > 1, or the
 interleaved 1F1B over the model chunks of a virtual pipeline, `training.chunks`) runs the micro
-batches with our per-token loss function: each micro batch backpropagates Σ loss·mask, and
-`finalize_model_grads` (the config's `finalize_model_grads_func`) divides the gradients reduced
-over DP x SP by the step's Σ mask. On CPU at PP 1 `_cpu_forward_backward` does the same steps
-(kept from before `cpu_compat` let the pipeline schedules allocate their token count there).
+batches with our per-token loss function, on GPU and on CPU alike (`cpu_compat` moves the token
+count it allocates off "cuda"): each micro batch backpropagates Σ loss·mask inside the config's
+`no_sync_func` but the last, and `finalize_model_grads` (the config's
+`finalize_model_grads_func`) divides the gradients reduced over DP x SP by the step's Σ mask.
 """
 
 import contextlib
@@ -13,11 +13,10 @@ import functools
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from .. import cpu_compat
-from ..loss import global_mean, loss_func, masked_sum
+from ..loss import global_mean, loss_func
 from .chunks import chunk_iterators, model_chunks
 from .config import TrainingConfig
 from .fsdp import local_grad
@@ -48,36 +47,11 @@ def _timer(model, name: str, log_level: int):
     timers(name).stop()
 
 
-def _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only):
-    """megatron-core's `forward_backward_no_pipelining` on CPU (fp32, PP = 1): backward of each
-    micro batch's Σ loss·mask, gradient sync on the last one; returns [Σ loss·mask, Σ mask]."""
-    totals = torch.zeros(2, dtype=torch.float64, device=cpu_compat.device())
-    for index in range(num_microbatches):
-        last = index == num_microbatches - 1
-        sync = contextlib.nullcontext() if forward_only or last else model.no_sync()
-        with sync, torch.set_grad_enabled(not forward_only):
-            batch = next(data_iterator)
-            with _timer(model, "forward-compute", 2):
-                loss_sum, count = masked_sum(_per_token_loss(model, batch), batch["loss_mask"])
-            if not forward_only:
-                with _timer(model, "backward-compute", 2):
-                    loss_sum.backward()
-        totals += torch.stack([loss_sum.detach(), count]).double()
-    if not forward_only:
-        finalize_model_grads([model], num_tokens=totals[1].round().to(torch.int64))
-    return totals
-
-
 def forward_backward(data_iterator, model, num_microbatches: int, micro_batch_size: int,
                      local_seq_length: int, forward_only=False):
     """All micro batches of one step; returns this rank's [Σ loss·mask, Σ mask] (float64),
     summed over micro batches (zeros off the last pipeline stage). `local_seq_length`: s/P
     after padding, the sequence length of one rank's activations."""
-    if not torch.cuda.is_available() and mpu.get_pipeline_model_parallel_world_size() == 1:
-        with _timer(model, "forward-backward", 1):
-            return _cpu_forward_backward(data_iterator, model, num_microbatches, forward_only)
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     reports = get_forward_backward_func()(
         forward_step_func=forward_step, data_iterator=chunk_iterators(model, data_iterator),
         model=model_chunks(model),
