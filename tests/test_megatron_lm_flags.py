@@ -329,7 +329,6 @@ def test_megatron_lm_alias_spellings_and_what_is_always_done():
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "use 1"]),
     (["--expert-model-parallel-size", "2", "--num-experts", "8"],
      ["MoE (--num-experts)", "--expert-model-parallel-size 2"]),
-    (["--torch-fsdp2-no-reshard-after-forward"], ["needs --use-torch-fsdp2"]),
     (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
      ["--recompute-granularity full, not selective"]),
     (["--ddp-bucket-size", "10", "--ddp-num-buckets", "2"], ["not both"]),
@@ -477,7 +476,8 @@ def test_precision_aware_dtypes_and_first_last_bf16_layers_on_gpu():
         assert config.performance.fp8 is None and config.performance.fp8_wgrad
         assert config.performance.fp8_recipe == "delayed"
         assert config.performance.fp8_amax_history_len == 1
-        assert any("FP8 options without --fp8-format are ignored" in w for w in config.warnings)
+        assert any("no effect without --fp8-format (as in Megatron-LM)" in w
+                   for w in config.warnings)
     perf = on_gpu(FP8 + DIST_OPT + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                                     "--num-layers-at-start-in-bf16", "2", "--disable-fp8-wgrad",
                                     "--disable-bf16-reduced-precision-matmul"]).performance
