@@ -78,17 +78,51 @@ def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, na
     (["--num-distributed-optimizer-instances", "2"],
      ["--num-distributed-optimizer-instances", "CUDA"]),
     (["--squared-relu", "--swiglu"], ["--squared-relu and --swiglu"]),
-    (["--mup-base-hidden-size", "32"], ["--mup-base-hidden-size needs --use-mup"]),
     (["--recompute-activations", "--recompute-granularity", "full",
       "--recompute-method", "block"], ["--recompute-activations", "full"]),
     (["--te-rng-tracker"], ["--te-rng-tracker", "CUDA"]),
-    (["--rotary-interleaved"], ["--rotary-interleaved needs --position-embedding-type rope"]),
     (["--padded-vocab-size", "0"], ["--padded-vocab-size must be >= 1"]),
 ])
 def test_bad_combinations_are_one_message_naming_the_flag(argv, words):
     said = problem(BASE + argv)
     for word in words:
         assert word in said, said
+
+
+_ITERS = BASE.index("--train-iters")
+NO_ITERS = BASE[:_ITERS] + BASE[_ITERS + 2:]
+PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+
+
+@pytest.mark.parametrize("context, options, feature, world_size", [
+    ([], ["--recompute-modules", "mlp"], "--recompute-granularity selective", 1),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     ["--recompute-modules", "core_attn"], "--recompute-granularity selective", 1),
+    ([], ["--mup-base-hidden-size", "32"], "--use-mup", 1),
+    (["--position-embedding-type", "learned_absolute"],
+     ["--use-rope-scaling", "--rotary-interleaved"], "--position-embedding-type rope", 1),
+    (["--position-embedding-type", "none"], ["--rotary-seq-len-interpolation-factor", "2"],
+     "--position-embedding-type rope", 1),
+    ([], ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], "a virtual pipeline", 1),
+    (PP2, ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], "a virtual pipeline", 2),
+    ([], ["--finetune", "--exit-on-missing-checkpoint"], "--load", 1),
+    ([], ["--use-mp-args-from-checkpoint-args"], "--use-checkpoint-args", 1),
+    ([], ["--lr-wsd-decay-samples", "8"], "--train-samples", 1),
+    (["--train-samples", "8"], ["--lr-wsd-decay-iters", "2"],
+     "--train-iters", 1),
+])
+def test_options_of_a_feature_that_is_off_are_ignored_as_in_megatron_lm(
+        context, options, feature, world_size):
+    """Megatron-LM reads them only with the feature: said once naming each and the feature,
+    and the run is the one without them (the GPU sections' are in test_perf_flags.py)."""
+    base = NO_ITERS if "--train-samples" in context else BASE
+    config = parse_args(base + context + options, world_size=world_size)
+    without = parse_args(base + context, world_size=world_size)
+    assert dataclasses.replace(config, warnings=without.warnings) == without
+    said = [w for w in config.warnings if w not in without.warnings]
+    flags = [word for word in options if word.startswith("--")]
+    assert len(said) == 1 and said[0].startswith(", ".join(flags)), said
+    assert f"no effect without {feature}" in said[0] and "(as in Megatron-LM)" in said[0], said
 
 
 def test_context_parallel_1_flags_are_accepted():
@@ -257,7 +291,7 @@ def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
      "needs --pipeline-model-parallel-size > 2"),
     (["--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], "are exclusive"),
-    (["--overlap-p2p-communication-warmup-flush"], "need a virtual pipeline"),
+    (["--overlap-p2p-communication-warmup-flush"], "needs a virtual pipeline"),
     (["--num-layers-per-virtual-pipeline-stage", "1",
       "--microbatch-group-size-per-virtual-pipeline-stage", "5"],
      "runs --global-batch-size's 4 micro batches per step in groups of 5"),

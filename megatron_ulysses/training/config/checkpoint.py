@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import ConfigError, flag_name
-from .checks import Context, check_output_dir, check_range, require
+from .checks import Context, check_output_dir, check_range, ignore_without, require
 
 
 @dataclass(frozen=True)
@@ -112,14 +112,15 @@ def _megatron_core_has(function, parameter: str) -> bool:
 def validate(args, ctx: Context) -> None:
     _validate_save(args, ctx)
     _validate_async(args, ctx)
-    require(not (args.finetune and args.load is None), "--finetune needs --load")
     require(not (args.use_checkpoint_args and args.load is None),
-            "--use-checkpoint-args needs --load")
-    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
-        ctx.warnings.append("--use-mp-args-from-checkpoint-args has no effect without "
-                            "--use-checkpoint-args (as in Megatron-LM)")
-    require(not (args.exit_on_missing_checkpoint and args.load is None),
-            "--exit-on-missing-checkpoint needs --load")
+            "--use-checkpoint-args needs --load (as in Megatron-LM)")
+    if args.load is None:  # Megatron-LM loads nothing, so reads them not
+        ignore_without(args, ctx, "--load", (("--finetune", "finetune", False),
+                                             ("--exit-on-missing-checkpoint",
+                                              "exit_on_missing_checkpoint", False)))
+    if not args.use_checkpoint_args:
+        ignore_without(args, ctx, "--use-checkpoint-args", (
+            ("--use-mp-args-from-checkpoint-args", "use_mp_args_from_checkpoint_args", False),))
     if args.exit_on_missing_checkpoint:
         require(os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")),
                 f"--exit-on-missing-checkpoint: no checkpoint at --load {args.load} (its "
