@@ -1,6 +1,6 @@
 """The checkpoint section: where to save and load, what a save writes and a load restores, how
 (async, fully parallel, strictness, integrity hashes), which old checkpoints are kept, and
---use-checkpoint-args (the model's shape flags from the checkpoint at --load)."""
+--use-checkpoint-args (the model's shape flags and tokenizer from the checkpoint at --load)."""
 
 import argparse
 import inspect
@@ -52,7 +52,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="with --load: take the model's shape flags (--num-layers, "
                    "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
-                   "checkpoint where the command line does not give them")
+                   "checkpoint where the command line does not give them, and its tokenizer "
+                   "(--tokenizer-type, --tokenizer-model) over the command line's")
     g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
                    help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
                    "the command line gives them")
@@ -221,8 +222,8 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
     """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
     for pickled code before it is read), except those in `given` (flags on the command line win,
     as Megatron-LM's: e.g. a new --rotary-base for context extension; a shape that differs from
-    the checkpoint's is refused by the load)."""
-    require(args.load is not None, "--use-checkpoint-args needs --load")
+    the checkpoint's is refused by the load), and its tokenizer (`_take_tokenizer`)."""
+    require(args.load is not None, "--use-checkpoint-args needs --load (as in Megatron-LM)")
     from .. import checkpointing  # megatron-core's dist_checkpointing: only needed here
 
     saved = checkpointing.read_checkpoint_args(args.load)
