@@ -92,6 +92,8 @@ def test_bad_combinations_are_one_message_naming_the_flag(argv, words):
 _ITERS = BASE.index("--train-iters")
 NO_ITERS = BASE[:_ITERS] + BASE[_ITERS + 2:]
 PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+VIRTUAL = ("a virtual pipeline, --num-layers-per-virtual-pipeline-stage or "
+           "--num-virtual-stages-per-pipeline-rank")
 
 
 @pytest.mark.parametrize("context, options, feature, world_size", [
@@ -103,8 +105,8 @@ PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
      ["--use-rope-scaling", "--rotary-interleaved"], "--position-embedding-type rope", 1),
     (["--position-embedding-type", "none"], ["--rotary-seq-len-interpolation-factor", "2"],
      "--position-embedding-type rope", 1),
-    ([], ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], "a virtual pipeline", 1),
-    (PP2, ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], "a virtual pipeline", 2),
+    ([], ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 1),
+    (PP2, ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 2),
     ([], ["--finetune", "--exit-on-missing-checkpoint"], "--load", 1),
     ([], ["--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args"],
      "--use-checkpoint-args", 1),
@@ -116,14 +118,11 @@ def test_options_of_a_feature_that_is_off_are_ignored_as_in_megatron_lm(
         context, options, feature, world_size):
     """Megatron-LM reads them only with the feature: said once naming each and the feature,
     and the run is the one without them (the GPU sections' are in test_perf_flags.py)."""
+    from test_perf_flags import assert_ignored
+
     base = NO_ITERS if "--train-samples" in context else BASE
-    config = parse_args(base + context + options, world_size=world_size)
-    without = parse_args(base + context, world_size=world_size)
-    assert dataclasses.replace(config, warnings=without.warnings) == without
-    said = [w for w in config.warnings if w not in without.warnings]
-    flags = [word for word in options if word.startswith("--")]
-    assert len(said) == 1 and said[0].startswith(", ".join(flags)), said
-    assert f"no effect without {feature}" in said[0] and "(as in Megatron-LM)" in said[0], said
+    assert_ignored(parse_args(base + context + options, world_size=world_size),
+                   parse_args(base + context, world_size=world_size), options, feature)
 
 
 def test_context_parallel_1_flags_are_accepted():

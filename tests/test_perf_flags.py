@@ -236,7 +236,12 @@ def test_options_of_a_feature_that_is_off_are_ignored_as_in_megatron_lm(context,
         run = lambda argv: on_gpu((["--bf16"] if "--fp16" not in context else []) + argv)
     else:
         run = lambda argv: parse_args(BASE + argv, world_size=1)
-    config, without = run(context + options), run(context)
+    assert_ignored(run(context + options), run(context), options, feature)
+
+
+def assert_ignored(config, without, options, feature: str) -> None:
+    """`config` (of a command line with `options`) is `without` (of one without them), plus one
+    warning naming each of the flags of `options` and `feature`."""
     assert dataclasses.replace(config, warnings=without.warnings) == without
     said = [w for w in config.warnings if w not in without.warnings]
     flags = [word for word in options if word.startswith("--")]

@@ -147,8 +147,8 @@ def validate(args, ctx: Context) -> None:
     else:
         _check_pipeline_layout(args, ctx.dims.pp)
     if args.virtual_pipeline_model_parallel_size is None:  # read by the interleaved schedule
-        ignore_without(args, ctx, "a virtual pipeline (--num-layers-per-virtual-pipeline-stage "
-                       "or --num-virtual-stages-per-pipeline-rank)", ((
+        ignore_without(args, ctx, "a virtual pipeline, --num-layers-per-virtual-pipeline-stage "
+                       "or --num-virtual-stages-per-pipeline-rank", ((
                            "--microbatch-group-size-per-virtual-pipeline-stage",
                            "microbatch_group_size_per_virtual_pipeline_stage", None),))
 
