@@ -4,6 +4,7 @@ the right iterations and resumes as the uninterrupted run (pretrain_gpt.py); in-
 and the parse-time rules (no-ops without --save, refusals naming the flag)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -16,12 +17,15 @@ from megatron_ulysses.errors import ConfigError
 from megatron_ulysses.training.arguments import build_parser, validate_args
 
 
-def _run(*flags: str):
+def _pretrain(*argv: str):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run(
-        [sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--mock-data",
-         "--vocab-size", "256", "--eval-iters", "0", "--train-iters", "6", *flags],
-        env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv],
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+def _run(*flags: str):
+    return _pretrain(*MODEL, *RUN, "--mock-data", "--vocab-size", "256", "--eval-iters", "0",
+                     "--train-iters", "6", *flags)
 
 
 def _iterations(ckpt) -> list:
@@ -109,3 +113,88 @@ def test_bad_checkpoint_flags_name_the_flag(flags, message, tmp_path):
     flags = [str(tmp_path) if f == "{empty}" else f for f in flags]
     with pytest.raises(ConfigError, match=message):
         _validate("--save", str(tmp_path / "out"), *flags)
+
+
+# --- --use-checkpoint-args and the tokenizer (Megatron-LM's load_args_from_checkpoint) ----------
+
+NO_TOKENIZER = [*RUN, "--mock-data", "--eval-iters", "0", "--lr-warmup-iters", "0",
+                "--lr-decay-iters", "2", "--seq-length", "64"]  # no model or tokenizer flags
+NO_NEW_TOKENIZER = "--no-use-tokenizer-model-from-checkpoint-args"
+
+
+def _padded_vocab(run) -> str:
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return re.search(r"padded vocab (\d+)", run.stdout).group(1)
+
+
+def test_use_checkpoint_args_takes_the_checkpoints_tokenizer(sp_model, hf_dir, tmp_path):
+    """A run saved with a tokenizer resumes with --use-checkpoint-args and no tokenizer flags:
+    the same tokenizer and padded vocabulary (the load checks it against the checkpoint's);
+    the checkpoint's tokenizer wins over the command line's, unless
+    --no-use-tokenizer-model-from-checkpoint-args, which then needs the command line's."""
+    from megatron_ulysses.training.arguments import parse_args
+    from megatron_ulysses.training.checkpointing import read_checkpoint_args
+
+    ckpt = str(tmp_path / "ckpt")
+    sp = ["--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model]
+    first = _pretrain(*MODEL, *NO_TOKENIZER, *sp, "--train-iters", "1", "--save", ckpt,
+                      "--save-interval", "1")
+    saved = read_checkpoint_args(ckpt)
+    assert (saved["tokenizer_type"], saved["tokenizer_model"]) == \
+        ("GPTSentencePieceTokenizer", os.path.abspath(sp_model))
+    assert saved["padded_vocab_size"] == int(_padded_vocab(first)) == 1024
+    resumed = _pretrain(*NO_TOKENIZER, "--train-iters", "2", "--load", ckpt,
+                        "--use-checkpoint-args", "--use-checkpoint-opt_param-scheduler")
+    assert _padded_vocab(resumed) == _padded_vocab(first) and list(losses(resumed)) == [2]
+
+    load = [*NO_TOKENIZER, "--train-iters", "2", "--load", ckpt, "--use-checkpoint-args"]
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", hf_dir]
+    config = parse_args(load + hf, world_size=1)  # the checkpoint's wins, said once
+    assert (config.data.tokenizer_type, config.data.tokenizer_model) == \
+        ("GPTSentencePieceTokenizer", os.path.abspath(sp_model))
+    said = [w for w in config.warnings if "the checkpoint's tokenizer is used" in w]
+    assert len(said) == 1 and "--tokenizer-type HuggingFaceTokenizer" in said[0] and \
+        NO_NEW_TOKENIZER in said[0], config.warnings
+    config = parse_args(load + hf + [NO_NEW_TOKENIZER], world_size=1)
+    assert (config.data.tokenizer_type, config.data.tokenizer_model) == \
+        ("HuggingFaceTokenizer", hf_dir) and config.warnings == ()
+    with pytest.raises(ConfigError, match=f"^{NO_NEW_TOKENIZER}: the tokenizer comes from the "
+                       "command line, which gives no --tokenizer-type; give it and its files "
+                       ".*GPTSentencePieceTokenizer"):
+        parse_args(load + [NO_NEW_TOKENIZER], world_size=1)
+    with pytest.raises(ConfigError, match="GPTSentencePieceTokenizer needs --tokenizer-model"):
+        parse_args(load + [NO_NEW_TOKENIZER, "--tokenizer-type", "GPTSentencePieceTokenizer"],
+                   world_size=1)
+
+
+@pytest.mark.parametrize("tokenizer, message", [
+    (dict(tokenizer_model="{missing}"), "--tokenizer-model '.*gone.model', which does not "
+     "exist here; give " + NO_NEW_TOKENIZER),
+    (dict(tokenizer_model=42), "--tokenizer-model 42, which does not exist here"),
+    (dict(tokenizer_type="x" * 10**6), "--tokenizer-type 'x{79}, which is not one of "
+     "SentencePieceTokenizer, "),
+    (dict(tokenizer_type="TikTokenizer", tiktoken_pattern="$(touch pwned)"),
+     r"--tiktoken-pattern '\$\(touch pwned\)', not v1 or v2: no TikTokenizer run"),
+])
+def test_a_checkpoints_tokenizer_is_untrusted_input(tokenizer, message, sp_model, tmp_path,
+                                                    monkeypatch):
+    """Its type must be built here, its model a path that exists: one message naming the flag
+    and Megatron-LM's way around (the command line's tokenizer); nothing is read or run."""
+    from megatron_ulysses.training import checkpointing
+    from megatron_ulysses.training.arguments import parse_args
+
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
+             "tokenizer_type": "GPTSentencePieceTokenizer", "tokenizer_model": sp_model,
+             **tokenizer}
+    if saved["tokenizer_model"] == "{missing}":
+        saved["tokenizer_model"] = str(tmp_path / "gone.model")
+    monkeypatch.setattr(checkpointing, "read_checkpoint_args", lambda root: saved)
+    argv = [*NO_TOKENIZER, "--train-iters", "2", "--load", str(tmp_path),
+            "--use-checkpoint-args"]
+    with pytest.raises(ConfigError, match=f"^--use-checkpoint-args: the checkpoint at --load "
+                       f".* was saved with .*{message}"):
+        parse_args(argv, world_size=1)
+    assert not os.path.exists("pwned")
+    config = parse_args(argv + [NO_NEW_TOKENIZER, "--tokenizer-type", "NullTokenizer",
+                                "--vocab-size", "64"], world_size=1)
+    assert config.data.tokenizer_type == "NullTokenizer"

@@ -70,7 +70,8 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
         multi_latent_attention=False, mtp_num_layers=None,
         virtual_pipeline_model_parallel_size=None, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, vocab_size=255, padded_vocab_size=256,
-        make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer", bf16=False, fp16=False,
+        make_vocab_size_divisible_by=128, tokenizer_type="NullTokenizer", tokenizer_model=None,
+        tiktoken_pattern=None, bf16=False, fp16=False,
         params_dtype=torch.float32, main_grads_dtype=torch.float32,
         use_distributed_optimizer=False, dist_ckpt_optim_fully_reshardable=False,
         no_save_optim=True, attention_backend=AttnBackend.auto,
@@ -281,6 +282,23 @@ def test_its_keys_are_the_te_spec_names_and_its_args_map_to_ours(megatron_lm):
     assert saved["num_query_groups"] == 2 and saved["disable_bias_linear"] is True
     assert {k: saved[k] for k in SHAPE if k != "seq_length"} == \
         {k: v for k, v in SHAPE.items() if k != "seq_length"}
+
+
+def test_use_checkpoint_args_takes_its_tokenizer(sp_model, tmp_path, monkeypatch):
+    """As Megatron-LM's load_args_from_checkpoint: its --tokenizer-type and --tokenizer-model
+    over the command line's (here none)."""
+    from megatron_ulysses.training import checkpointing
+    from megatron_ulysses.training.arguments import parse_args
+    from megatron_ulysses.training.megatron_lm_checkpoint import common_state
+
+    args = megatron_lm_args(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=sp_model,
+                            vocab_size=None, padded_vocab_size=1024)
+    saved = common_state("ckpt", {"args": args, "checkpoint_version": 3.0, "iteration": 5},
+                         checkpointing._SAVED_ARGS, checkpointing.OPTIMIZER_METADATA)["args"]
+    monkeypatch.setattr(checkpointing, "read_checkpoint_args", lambda root: saved)
+    data = parse_args(RUN + ["--load", str(tmp_path)], world_size=1).data
+    assert (data.tokenizer_type, data.tokenizer_model, data.vocab_size) == \
+        ("GPTSentencePieceTokenizer", sp_model, None)
 
 
 def test_its_optimizer_state_needs_no_load_optim_unless_its_layout_is_ours(tmp_path):

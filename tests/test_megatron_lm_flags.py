@@ -78,17 +78,51 @@ def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, na
     (["--num-distributed-optimizer-instances", "2"],
      ["--num-distributed-optimizer-instances", "CUDA"]),
     (["--squared-relu", "--swiglu"], ["--squared-relu and --swiglu"]),
-    (["--mup-base-hidden-size", "32"], ["--mup-base-hidden-size needs --use-mup"]),
     (["--recompute-activations", "--recompute-granularity", "full",
       "--recompute-method", "block"], ["--recompute-activations", "full"]),
     (["--te-rng-tracker"], ["--te-rng-tracker", "CUDA"]),
-    (["--rotary-interleaved"], ["--rotary-interleaved needs --position-embedding-type rope"]),
     (["--padded-vocab-size", "0"], ["--padded-vocab-size must be >= 1"]),
 ])
 def test_bad_combinations_are_one_message_naming_the_flag(argv, words):
     said = problem(BASE + argv)
     for word in words:
         assert word in said, said
+
+
+_ITERS = BASE.index("--train-iters")
+NO_ITERS = BASE[:_ITERS] + BASE[_ITERS + 2:]
+PP2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
+VIRTUAL = ("a virtual pipeline, --num-layers-per-virtual-pipeline-stage or "
+           "--num-virtual-stages-per-pipeline-rank")
+
+
+@pytest.mark.parametrize("context, options, feature, world_size", [
+    ([], ["--recompute-modules", "mlp"], "--recompute-granularity selective", 1),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform"],
+     ["--recompute-modules", "core_attn"], "--recompute-granularity selective", 1),
+    ([], ["--mup-base-hidden-size", "32"], "--use-mup", 1),
+    (["--position-embedding-type", "learned_absolute"],
+     ["--use-rope-scaling", "--rotary-interleaved"], "--position-embedding-type rope", 1),
+    (["--position-embedding-type", "none"], ["--rotary-seq-len-interpolation-factor", "2"],
+     "--position-embedding-type rope", 1),
+    ([], ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 1),
+    (PP2, ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 2),
+    ([], ["--finetune", "--exit-on-missing-checkpoint"], "--load", 1),
+    ([], ["--use-mp-args-from-checkpoint-args", "--no-use-tokenizer-model-from-checkpoint-args"],
+     "--use-checkpoint-args", 1),
+    ([], ["--lr-wsd-decay-samples", "8"], "--train-samples", 1),
+    (["--train-samples", "8"], ["--lr-wsd-decay-iters", "2"],
+     "--train-iters", 1),
+])
+def test_options_of_a_feature_that_is_off_are_ignored_as_in_megatron_lm(
+        context, options, feature, world_size):
+    """Megatron-LM reads them only with the feature: said once naming each and the feature,
+    and the run is the one without them (the GPU sections' are in test_perf_flags.py)."""
+    from test_perf_flags import assert_ignored
+
+    base = NO_ITERS if "--train-samples" in context else BASE
+    assert_ignored(parse_args(base + context + options, world_size=world_size),
+                   parse_args(base + context, world_size=world_size), options, feature)
 
 
 def test_context_parallel_1_flags_are_accepted():
@@ -257,7 +291,7 @@ def test_a_70b_model_with_a_million_tokens_over_sp64_is_not_bounded():
      "needs --pipeline-model-parallel-size > 2"),
     (["--num-layers-per-virtual-pipeline-stage", "1",
       "--num-virtual-stages-per-pipeline-rank", "2"], "are exclusive"),
-    (["--overlap-p2p-communication-warmup-flush"], "need a virtual pipeline"),
+    (["--overlap-p2p-communication-warmup-flush"], "needs a virtual pipeline"),
     (["--num-layers-per-virtual-pipeline-stage", "1",
       "--microbatch-group-size-per-virtual-pipeline-stage", "5"],
      "runs --global-batch-size's 4 micro batches per step in groups of 5"),
@@ -329,7 +363,6 @@ def test_megatron_lm_alias_spellings_and_what_is_always_done():
     (["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size 2", "use 1"]),
     (["--expert-model-parallel-size", "2", "--num-experts", "8"],
      ["MoE (--num-experts)", "--expert-model-parallel-size 2"]),
-    (["--torch-fsdp2-no-reshard-after-forward"], ["needs --use-torch-fsdp2"]),
     (["--recompute-granularity", "selective", "--recompute-num-layers", "1"],
      ["--recompute-granularity full, not selective"]),
     (["--ddp-bucket-size", "10", "--ddp-num-buckets", "2"], ["not both"]),
@@ -477,7 +510,8 @@ def test_precision_aware_dtypes_and_first_last_bf16_layers_on_gpu():
         assert config.performance.fp8 is None and config.performance.fp8_wgrad
         assert config.performance.fp8_recipe == "delayed"
         assert config.performance.fp8_amax_history_len == 1
-        assert any("FP8 options without --fp8-format are ignored" in w for w in config.warnings)
+        assert any("no effect without --fp8-format (as in Megatron-LM)" in w
+                   for w in config.warnings)
     perf = on_gpu(FP8 + DIST_OPT + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16",
                                     "--num-layers-at-start-in-bf16", "2", "--disable-fp8-wgrad",
                                     "--disable-bf16-reduced-precision-matmul"]).performance

@@ -24,6 +24,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"
         "--mock-data", "--vocab-size", "256"]
 FP8 = ["--bf16", "--fp8-format", "hybrid"]
 DIST_OPT = ["--use-distributed-optimizer", "--overlap-grad-reduce"]
+FSDP2 = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 VPP = ["--num-layers", "4", "--pipeline-model-parallel-size", "2",
        "--num-layers-per-virtual-pipeline-stage", "1", "--global-batch-size", "4"]
 
@@ -160,23 +161,17 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
      + DIST_OPT, 1, "needs interleaved pipeline parallelism"),
     (["--bf16", "--overlap-param-gather-with-optimizer-step", "--overlap-param-gather"]
      + DIST_OPT + VPP, 2, "not supported with distributed checkpointing .* torch_dist"),
-    (["--fp16", "--grad-reduce-in-bf16"], 1, "--grad-reduce-in-bf16 .* needs --bf16"),
     (["--bf16", "--use-distributed-optimizer", "--num-distributed-optimizer-instances", "3"],
      4, r"must divide .* 4 x 1 = 4"),
     (["--bf16", "--num-distributed-optimizer-instances", "2"], 2,
      "needs --use-distributed-optimizer"),
     (["--bf16", "--use-distributed-optimizer", "--optimizer-cpu-offload"], 1,
      "--optimizer-cpu-offload needs --use-precision-aware-optimizer"),
-    (["--bf16", "--optimizer-offload-fraction", "0.5"], 1, "needs --optimizer-cpu-offload"),
-    (["--bf16", "--overlap-cpu-optimizer-d2h-h2d", "--no-pin-cpu-params"], 1,
-     "--overlap-cpu-optimizer-d2h-h2d, --no-pin-cpu-params need --optimizer-cpu-offload"),
     (["--bf16", "--tp-comm-overlap"], 1, "needs --tensor-model-parallel-size > 1 and "
      "--sequence-parallel"),
     (["--bf16", "--tp-comm-overlap", "--tensor-model-parallel-size", "2",
       "--sequence-parallel"], 2, "--tp-comm-overlap: not supported yet"),
     (["--bf16", "--cuda-graph-impl", "transformer_engine"], 1, "CUDA graphs are not wired"),
-    (["--bf16", "--data-parallel-sharding-strategy", "optim"], 1,
-     "--data-parallel-sharding-strategy optim needs --use-megatron-fsdp"),
     (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer", "--load", "/no/ckpt"], 1,
      "--use-megatron-fsdp: .*fsdp_dtensor .*drop --save / --load, or use --use-torch-fsdp2"),
     (["--bf16", "--use-megatron-fsdp", "--use-distributed-optimizer",
@@ -199,9 +194,6 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
     (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
       "--pipeline-model-parallel-size", "2"], 2,
      "--use-torch-fsdp2 is not supported with pipeline parallelism"),
-    (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights",
-      "--data-parallel-sharding-strategy", "optim"], 1,
-     "--data-parallel-sharding-strategy: Megatron-FSDP's options"),
     (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--swiglu",
       "--tensor-model-parallel-size", "2"], 6,
      "--swiglu and --tensor-model-parallel-size 2 needs an even data parallel x "
@@ -213,6 +205,48 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
 def test_megatron_lms_rules_on_gpu(argv, world_size, match):
     with pytest.raises(ConfigError, match=match):
         on_gpu(argv, world_size)
+
+
+# (context, the options, their feature, where: CPU, GPU or both)
+UNUSED_OPTIONS = [
+    ([], ["--optimizer-offload-fraction", "0.5"], "--optimizer-cpu-offload", "cpu gpu"),
+    ([], ["--overlap-cpu-optimizer-d2h-h2d", "--use-torch-optimizer-for-cpu-offload",
+          "--no-pin-cpu-grads", "--no-pin-cpu-params"], "--optimizer-cpu-offload", "cpu gpu"),
+    ([], ["--tp-comm-overlap-cfg", "ub.yaml"], "--tp-comm-overlap", "cpu gpu"),
+    ([], ["--data-parallel-sharding-strategy", "optim"], "--use-megatron-fsdp", "cpu gpu"),
+    (FSDP2, ["--data-parallel-sharding-strategy", "no_shard"], "--use-megatron-fsdp",
+     "cpu gpu"),
+    ([], ["--fsdp-double-buffer", "--megatron-fsdp-main-grads-dtype", "bf16",
+          "--outer-dp-sharding-strategy", "optim"], "--use-megatron-fsdp", "cpu gpu"),
+    ([], ["--torch-fsdp2-no-reshard-after-forward"], "--use-torch-fsdp2", "cpu gpu"),
+    ([], ["--wgrad-deferral-limit", "2"], "--defer-embedding-wgrad-compute", "cpu gpu"),
+    (["--fp16"], ["--grad-reduce-in-bf16"], "--bf16", "gpu"),
+    ([], ["--grad-reduce-in-bf16"], "--bf16", "cpu"),
+]
+
+
+@pytest.mark.parametrize("context, options, feature, gpu", [
+    (context, options, feature, where == "gpu") for context, options, feature, sides in
+    UNUSED_OPTIONS for where in sides.split()])
+def test_options_of_a_feature_that_is_off_are_ignored_as_in_megatron_lm(context, options,
+                                                                        feature, gpu):
+    """Megatron-LM reads them only with the feature: accepted (on CPU too), said once naming
+    each and the feature, and the run is the one without them."""
+    if gpu:
+        run = lambda argv: on_gpu((["--bf16"] if "--fp16" not in context else []) + argv)
+    else:
+        run = lambda argv: parse_args(BASE + argv, world_size=1)
+    assert_ignored(run(context + options), run(context), options, feature)
+
+
+def assert_ignored(config, without, options, feature: str) -> None:
+    """`config` (of a command line with `options`) is `without` (of one without them), plus one
+    warning naming each of the flags of `options` and `feature`."""
+    assert dataclasses.replace(config, warnings=without.warnings) == without
+    said = [w for w in config.warnings if w not in without.warnings]
+    flags = [word for word in options if word.startswith("--")]
+    assert len(said) == 1 and said[0].startswith(", ".join(flags)), said
+    assert f"no effect without {feature} (as in Megatron-LM)" in said[0], said
 
 
 @pytest.mark.parametrize("name, value", [

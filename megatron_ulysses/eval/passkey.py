@@ -111,23 +111,25 @@ def _check_passkey_flags(args):
     _require(args.trials >= 1, f"--trials must be >= 1, got {args.trials}")
     _require(args.output_dir is not None, "--output-dir DIR is required: passkey.json and "
              "passkey.png are written there")
-    _require(args.tokenizer_type not in (None, "NullTokenizer"),
-             "--tokenizer-type: the passkey prompt is text; give the model's tokenizer "
-             "(GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or "
-             "GPT2BPETokenizer) and its files")
     _require(args.micro_batch_size >= 1,
              f"--micro-batch-size must be >= 1, got {args.micro_batch_size}")
     return lengths, depths
 
 
 def _check_checkpoint(args) -> None:
-    """--use-checkpoint-args takes the model's flags from --load; else a checkpoint must be
-    there. The evaluation runs at PP 1 (a checkpoint of any pipeline layout loads there)."""
+    """--use-checkpoint-args takes the model's flags (and the tokenizer it names, as
+    Megatron-LM's) from --load; else a checkpoint must be there. The prompt is text: a text
+    tokenizer is needed. The evaluation runs at PP 1 (a checkpoint of any pipeline layout loads
+    there)."""
     if args.use_checkpoint_args:
-        arguments.apply_checkpoint_args(args)
+        arguments.apply_checkpoint_args(args)  # with the tokenizer the checkpoint names
     elif read_tracker(args.load) is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           "latest_checkpointed_iteration.txt)")
+    _require(args.tokenizer_type not in (None, "NullTokenizer"),
+             "--tokenizer-type: the passkey prompt is text; give the model's tokenizer "
+             "(GPTSentencePieceTokenizer, SentencePieceTokenizer, HuggingFaceTokenizer or "
+             "GPT2BPETokenizer) and its files")
     _require(args.pipeline_model_parallel_size == 1,
              f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
              "eval_passkey.py runs without pipeline parallelism; use 1 (a checkpoint saved at "

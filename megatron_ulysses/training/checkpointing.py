@@ -70,6 +70,7 @@ from megatron.core.transformer.module import Float16Module
 
 from .. import parallel_state as ps
 from .. import processes
+from ..data.tokenizers import tokenizer_files
 from ..errors import ConfigError, flag_name
 from . import megatron_lm_checkpoint, save_guard
 from .checkpoint_saver import CheckpointSaver
@@ -110,11 +111,12 @@ _LAYOUT_ARGS = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
 # Also saved (not checked; --use-checkpoint-args takes them): RoPE and norm numerics, the vocab
-# padding and --vocab-size (None with a tokenizer file).
+# padding, --vocab-size (None with a tokenizer file) and the tokenizer (`_saved_tokenizer`).
+_TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tiktoken_pattern")
 _SAVED_ARGS = _MODEL_ARGS + _LAYOUT_ARGS + _OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
-    "vocab_size")
+    "vocab_size") + _TOKENIZER_ARGS
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -289,8 +291,23 @@ def _saved_args(config) -> dict:
     values = {**dataclasses.asdict(config.model), "tensor_model_parallel_size": config.dims.tp,
               "pipeline_model_parallel_size": config.dims.pp,
               "use_distributed_optimizer": config.optimizer.use_distributed_optimizer,
-              "vocab_size": config.data.vocab_size}
+              "vocab_size": config.data.vocab_size, **_saved_tokenizer(config.data)}
     return {key: values[key] for key in _SAVED_ARGS}
+
+
+def _saved_tokenizer(data) -> dict:
+    """The tokenizer that --use-checkpoint-args takes back, as Megatron-LM's args hold it: one
+    read from a --tokenizer-model file (its absolute path: a later run may start elsewhere).
+    None for the others: Megatron-LM takes no --vocab-file / --merge-file from a checkpoint,
+    so GPT2BPETokenizer's files come from the command line anyway, and NullTokenizer stands
+    for no tokenizer here (mock data; --vocab-size is saved), e.g. in tools/convert_hf.py's
+    checkpoints, whose tokenizer the run that loads them names."""
+    model = tokenizer_files(data).get("--tokenizer-model")
+    if model is None:
+        return dict.fromkeys(_TOKENIZER_ARGS)
+    return {"tokenizer_type": data.tokenizer_type, "tokenizer_model": os.path.abspath(model),
+            "tiktoken_pattern": data.tiktoken_pattern if data.tokenizer_type == "TikTokenizer"
+            else None}
 
 
 def _checkpoint_bytes(root: str, state) -> int:

@@ -1,15 +1,17 @@
 """The checkpoint section: where to save and load, what a save writes and a load restores, how
 (async, fully parallel, strictness, integrity hashes), which old checkpoints are kept, and
---use-checkpoint-args (the model's shape flags from the checkpoint at --load)."""
+--use-checkpoint-args (the model's shape flags and tokenizer from the checkpoint at --load)."""
 
 import argparse
 import inspect
 import os
+import pathlib
 from dataclasses import dataclass
 from typing import Optional
 
+from ...data.tokenizers import TOKENIZER_TYPES
 from ...errors import ConfigError, flag_name
-from .checks import Context, check_output_dir, check_range, require
+from .checks import Context, check_output_dir, check_range, ignore_without, require
 
 
 @dataclass(frozen=True)
@@ -50,10 +52,19 @@ def add_arguments(parser) -> None:
     g.add_argument("--use-checkpoint-args", action="store_true",
                    help="with --load: take the model's shape flags (--num-layers, "
                    "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
-                   "checkpoint where the command line does not give them")
+                   "checkpoint where the command line does not give them, and its tokenizer "
+                   "(--tokenizer-type, --tokenizer-model) over the command line's")
     g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
                    help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
                    "the command line gives them")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args",
+                   dest="use_tokenizer_model_from_checkpoint_args", action="store_false",
+                   help="with --use-checkpoint-args: the tokenizer from the command line, not "
+                   "the checkpoint's --tokenizer-type and --tokenizer-model (which "
+                   "--use-checkpoint-args takes over the command line's, as in Megatron-LM)")
+    # what --use-checkpoint-args took over the command line, said by `validate`
+    parser.set_defaults(checkpoint_args_warnings=())
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
                    help="checkpoints are megatron-core dist_checkpointing (torch_dist); torch "
                    "and torch_dcp write torch_dist too (Megatron-LM loads it), with a warning")
@@ -112,14 +123,18 @@ def _megatron_core_has(function, parameter: str) -> bool:
 def validate(args, ctx: Context) -> None:
     _validate_save(args, ctx)
     _validate_async(args, ctx)
-    require(not (args.finetune and args.load is None), "--finetune needs --load")
     require(not (args.use_checkpoint_args and args.load is None),
-            "--use-checkpoint-args needs --load")
-    if args.use_mp_args_from_checkpoint_args and not args.use_checkpoint_args:
-        ctx.warnings.append("--use-mp-args-from-checkpoint-args has no effect without "
-                            "--use-checkpoint-args (as in Megatron-LM)")
-    require(not (args.exit_on_missing_checkpoint and args.load is None),
-            "--exit-on-missing-checkpoint needs --load")
+            "--use-checkpoint-args needs --load (as in Megatron-LM)")
+    if args.load is None:  # Megatron-LM loads nothing, so reads them not
+        ignore_without(args, ctx, "--load", (("--finetune", "finetune", False),
+                                             ("--exit-on-missing-checkpoint",
+                                              "exit_on_missing_checkpoint", False)))
+    if not args.use_checkpoint_args:
+        ignore_without(args, ctx, "--use-checkpoint-args", (
+            ("--use-mp-args-from-checkpoint-args", "use_mp_args_from_checkpoint_args", False),
+            ("--no-use-tokenizer-model-from-checkpoint-args",
+             "use_tokenizer_model_from_checkpoint_args", True)))
+    ctx.warnings.extend(args.checkpoint_args_warnings)
     if args.exit_on_missing_checkpoint:
         require(os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")),
                 f"--exit-on-missing-checkpoint: no checkpoint at --load {args.load} (its "
@@ -207,8 +222,8 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
     """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
     for pickled code before it is read), except those in `given` (flags on the command line win,
     as Megatron-LM's: e.g. a new --rotary-base for context extension; a shape that differs from
-    the checkpoint's is refused by the load)."""
-    require(args.load is not None, "--use-checkpoint-args needs --load")
+    the checkpoint's is refused by the load), and its tokenizer (`_take_tokenizer`)."""
+    require(args.load is not None, "--use-checkpoint-args needs --load (as in Megatron-LM)")
     from .. import checkpointing  # megatron-core's dist_checkpointing: only needed here
 
     saved = checkpointing.read_checkpoint_args(args.load)
@@ -228,6 +243,58 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
         args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
         if not args.group_query_attention:
             args.num_query_groups = None
+    _take_tokenizer(args, saved)
     if args.vocab_size is None and saved.get("vocab_size") is not None and \
             args.tokenizer_type in (None, "NullTokenizer"):
         args.vocab_size = saved["vocab_size"]
+
+
+def _take_tokenizer(args: argparse.Namespace, saved: dict) -> None:
+    """Megatron-LM's load_args_from_checkpoint: the checkpoint's --tokenizer-type and
+    --tokenizer-model (each where it holds one) over the command line's, unless
+    --no-use-tokenizer-model-from-checkpoint-args; its --tiktoken-pattern in any case (only a
+    TikTokenizer reads it). The checkpoint is untrusted: the type must be one built here, the
+    model a path that exists (read later as the command line's would be; nothing of it runs
+    without --trust-remote-code), the pattern v1 or v2."""
+    kind, model = saved.get("tokenizer_type"), saved.get("tokenizer_model")
+    was = f"--use-checkpoint-args: the checkpoint at --load {args.load} was saved with"
+    fix = ("; give --no-use-tokenizer-model-from-checkpoint-args with the tokenizer flags "
+           "(Megatron-LM's flag for a checkpoint from another machine)")
+    taken = {}
+    if not args.use_tokenizer_model_from_checkpoint_args:
+        require(kind is None or args.tokenizer_type is not None,
+                "--no-use-tokenizer-model-from-checkpoint-args: the tokenizer comes from the "
+                "command line, which gives no --tokenizer-type; give it and its files (the "
+                f"checkpoint's: --tokenizer-type {kind!r:.80}"
+                + ("" if model is None else f" --tokenizer-model {model!r:.300}") + ")")
+    elif kind is not None:
+        require(kind in TOKENIZER_TYPES, f"{was} --tokenizer-type {kind!r:.80}, which is not "
+                f"one of {', '.join(TOKENIZER_TYPES)}{fix}")
+        require(model is None or isinstance(model, (str, pathlib.PurePath)) and
+                os.path.exists(model), f"{was} --tokenizer-model {model!r:.300}, which does "
+                f"not exist here{fix}")
+        taken["--tokenizer-type"] = ("tokenizer_type", kind)
+        if model is not None:
+            taken["--tokenizer-model"] = ("tokenizer_model", str(model))
+    pattern = saved.get("tiktoken_pattern")
+    if pattern is not None and taken.get("--tokenizer-type", (None, args.tokenizer_type))[1] \
+            == "TikTokenizer":
+        require(pattern in ("v1", "v2"), f"{was} --tiktoken-pattern {pattern!r:.80}, not v1 "
+                "or v2: no TikTokenizer run of this package or Megatron-LM saved it")
+        taken["--tiktoken-pattern"] = ("tiktoken_pattern", pattern)
+    _take(args, taken)
+
+
+def _take(args: argparse.Namespace, taken: dict) -> None:
+    """Set `taken` ({flag: (dest, value)}), saying which command-line values they replace."""
+    replaced = [f"{flag} {getattr(args, dest)}" for flag, (dest, value) in taken.items()
+                if getattr(args, dest) not in (None, value)]
+    if replaced:
+        keep = ("; --no-use-tokenizer-model-from-checkpoint-args keeps the command line's"
+                if "--tokenizer-type" in taken else "")
+        args.checkpoint_args_warnings += (
+            f"{', '.join(replaced)}: the checkpoint's tokenizer is used instead ("
+            + ", ".join(f"{flag} {value}" for flag, (_, value) in taken.items())
+            + f"), as Megatron-LM's --use-checkpoint-args does{keep}",)
+    for dest, value in taken.values():
+        setattr(args, dest, value)

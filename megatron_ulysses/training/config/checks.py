@@ -35,6 +35,19 @@ def require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def ignore_without(args, ctx: Context, feature: str, options) -> None:
+    """`options` ((flag, dest, default) each) of a feature that is off (`feature`: the flag
+    that turns it on). Megatron-LM reads them only with it, so they change nothing: those given
+    are said once, and all are set back to their defaults (the run is the one without them)."""
+    given = [flag for flag, dest, default in options if getattr(args, dest) != default]
+    if not given:
+        return
+    ctx.warnings.append(f"{', '.join(given)} {'has' if len(given) == 1 else 'have'} no effect "
+                        f"without {feature} (as in Megatron-LM): ignored")
+    for _, dest, default in options:
+        setattr(args, dest, default)
+
+
 def check_range(args, name: str, low=None, high=None, low_open=False, high_open=False,
                 optional=False) -> None:
     """``--name`` must lie in the interval (``None`` ends are unbounded); NaN never does."""

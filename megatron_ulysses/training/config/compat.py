@@ -112,10 +112,6 @@ IGNORED = (
      ("--use-dist-ckpt", "--dist-ckpt-format=", "--fp8-interval=", "--onnx-safe=")),
     ("torch.distributed.launch's: the ranks come from the environment (RANK, LOCAL_RANK)",
      False, ("--local-rank=",)),
-    ("--use-checkpoint-args takes no tokenizer from the checkpoint here: the tokenizer flags "
-     "always come from the command line", False,
-     ("--no-use-tokenizer-model-from-checkpoint-args"
-      "|--disable-use-tokenizer-model-from-checkpoint-args",)),
     ("no experimental megatron-core feature is used here", False, ("--enable-experimental",)),
 )
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
 from ...backends import te_available
-from .checks import Context, check_range, require, tiles
+from .checks import Context, check_range, ignore_without, require, tiles
 
 # megatron-core's selective-recompute submodules of a dense GPT layer.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -65,9 +65,10 @@ def validate(args, ctx: Context) -> None:
         ctx.warnings.append("--recompute-method/--recompute-num-layers are ignored without "
                             "--recompute-granularity full (as in Megatron-LM)")
         args.recompute_method = args.recompute_num_layers = None
+    if args.recompute_granularity != "selective":  # megatron-core reads it only there
+        ignore_without(args, ctx, "--recompute-granularity selective",
+                       (("--recompute-modules", "recompute_modules", None),))
     if args.recompute_modules is not None:
-        require(args.recompute_granularity == "selective",
-                "--recompute-modules needs --recompute-granularity selective")
         require(len(args.recompute_modules) > 0, "--recompute-modules needs at least one of "
                 + ", ".join(RECOMPUTE_MODULES))
         require(not ("mlp" in args.recompute_modules and args.tiled_mlp_shards is not None),

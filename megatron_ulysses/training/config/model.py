@@ -8,8 +8,8 @@ from typing import Optional
 import torch
 
 from ...backends import BACKENDS, resolve_backend, te_available
-from ...errors import ConfigError, flag_name
-from .checks import Context, check_positive, check_range, number, require
+from ...errors import ConfigError
+from .checks import Context, check_positive, check_range, ignore_without, number, require
 from .fusions import FusionFields
 from .memory import MemoryFields
 from .parallel import PipelineFields
@@ -135,7 +135,7 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--rotary-base", type=int, default=10000)
     g.add_argument("--rotary-percent", type=float, default=1.0)
     g.add_argument("--use-rope-scaling", action="store_true",
-                   help="llama3 RoPE frequency scaling (megatron-core's; needs "
+                   help="llama3 RoPE frequency scaling (megatron-core's; with "
                    "--position-embedding-type rope)")
     g.add_argument("--rope-scaling-factor", type=float, default=8.0,
                    help="the llama3 scaling factor of --use-rope-scaling")
@@ -223,7 +223,7 @@ def validate(args, ctx: Context) -> None:
     require(ctx.cuda or not (args.bf16 or args.fp16),
             "--bf16/--fp16 need CUDA (megatron-core's mixed-precision optimizer); "
             "CPU runs are fp32: drop the flag")
-    _check_rope(args, ctx.cuda)
+    _check_rope(args, ctx)
     _check_model_options(args, ctx)
     _check_flash_attention(args, ctx)
 
@@ -235,9 +235,10 @@ def _check_model_options(args, ctx: Context) -> None:
     require(args.padded_vocab_size is None or args.padded_vocab_size % ctx.dims.tp == 0,
             f"--padded-vocab-size ({args.padded_vocab_size}) must be divisible by "
             f"--tensor-model-parallel-size ({ctx.dims.tp})")
-    require(args.mup_base_hidden_size is None or args.use_mup,
-            "--mup-base-hidden-size needs --use-mup")
-    if args.use_mup:
+    if not args.use_mup:  # megatron-core reads it only with MuP
+        ignore_without(args, ctx, "--use-mup",
+                       (("--mup-base-hidden-size", "mup_base_hidden_size", None),))
+    else:
         require(mup_supported(), "--use-mup needs megatron-core >= 0.19 (its MuP init and "
                 f"optimizer groups); this is megatron-core {megatron_core_version()}")
     require(not args.te_rng_tracker or (ctx.cuda and args.transformer_impl ==
@@ -361,17 +362,18 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
                                           else "sdpa")
 
 
-def _check_rope(args, cuda: bool) -> None:
-    # megatron-core's TransformerConfig refuses interleaved RoPE with TE's fused kernel.
-    require(not (args.rotary_interleaved and cuda and te_available() and not args.no_rope_fusion
-                 and args.position_embedding_type == "rope"),
-            "--rotary-interleaved does not work with TE's fused RoPE: add --no-rope-fusion")
-    if args.position_embedding_type != "rope":
-        for name in ("use_rope_scaling", "rotary_seq_len_interpolation_factor",
-                     "rotary_interleaved"):
-            require(getattr(args, name) in (False, None),
-                    f"{flag_name(name)} needs --position-embedding-type rope")
+def _check_rope(args, ctx: Context) -> None:
+    if args.position_embedding_type != "rope":  # megatron-core builds no rotary embedding
+        ignore_without(args, ctx, "--position-embedding-type rope", (
+            ("--use-rope-scaling", "use_rope_scaling", False),
+            ("--rotary-seq-len-interpolation-factor", "rotary_seq_len_interpolation_factor",
+             None),
+            ("--rotary-interleaved", "rotary_interleaved", False)))
         return
+    # megatron-core's TransformerConfig refuses interleaved RoPE with TE's fused kernel.
+    require(not (args.rotary_interleaved and ctx.cuda and te_available()
+                 and not args.no_rope_fusion),
+            "--rotary-interleaved does not work with TE's fused RoPE: add --no-rope-fusion")
     require(not (args.use_rope_scaling and args.rotary_seq_len_interpolation_factor is not None),
             "--use-rope-scaling and --rotary-seq-len-interpolation-factor are exclusive; give "
             "one")

@@ -4,7 +4,7 @@ DDP and the distributed optimizer."""
 from dataclasses import dataclass
 from typing import Optional
 
-from .checks import Context, check_range, require
+from .checks import Context, check_range, ignore_without, require
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def validate(args, ctx: Context) -> None:
                             "use --apply-wd-to-qk-layernorm")
         args.apply_wd_to_qk_layernorm = True
     _check_weight_decay(args)
-    _schedule_lengths(args)
+    _schedule_lengths(args, ctx)
     _check_wsd(args)
     require(not (args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler),
             "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler are "
@@ -212,17 +212,22 @@ def _check_weight_decay(args) -> None:
             f"({args.end_weight_decay}): the weight decay increases")
 
 
-def _schedule_lengths(args) -> None:
+def _schedule_lengths(args, ctx: Context) -> None:
     """Megatron-LM's get_optimizer_param_scheduler: with --train-iters the lengths in iterations
-    x --global-batch-size, with --train-samples in samples (the other unit's flags refused, as
-    its validate_args does); the scheduler counts samples."""
+    x --global-batch-size, with --train-samples in samples (the other unit's decay and warmup
+    refused, as its validate_args does; its WSD length ignored); the scheduler counts
+    samples."""
     by_samples = args.train_samples is not None
     unit, other = ("samples", "iters") if by_samples else ("iters", "samples")
     scale = 1 if by_samples else args.global_batch_size
-    for what in ("lr_decay", "lr_wsd_decay", "lr_warmup"):
+    for what in ("lr_decay", "lr_warmup"):
         given = getattr(args, f"{what}_{other}")
         require(given in (None, 0), f"--{what.replace('_', '-')}-{other} goes with --train-"
-                f"{other}; with --train-{unit} give --{what.replace('_', '-')}-{unit}")
+                f"{other}; with --train-{unit} give --{what.replace('_', '-')}-{unit} (as in "
+                "Megatron-LM)")
+    # Megatron-LM's scheduler reads only this unit's WSD length (validate_args has no rule)
+    ignore_without(args, ctx, f"--train-{other}", ((f"--lr-wsd-decay-{other}",
+                                                     f"lr_wsd_decay_{other}", None),))
     warmup = getattr(args, f"lr_warmup_{unit}")
     require(args.lr_warmup_fraction is None or warmup == 0,
             f"give --lr-warmup-fraction or --lr-warmup-{unit}, not both")

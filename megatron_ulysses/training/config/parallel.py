@@ -10,7 +10,7 @@ from typing import Optional
 
 from ...errors import ConfigError, flag_name
 from ...parallel_state import TP_PP_DP_ORDER, ParallelDims
-from .checks import Context, check_range, require
+from .checks import Context, check_range, ignore_without, require
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 # Pipeline (PP > 1) flags whose values megatron-core's TransformerConfig and schedules take.
@@ -18,7 +18,6 @@ CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 _PIPELINE_ONLY = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers",
                   "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank",
-                  "microbatch_group_size_per_virtual_pipeline_stage",
                   "overlap_p2p_communication_warmup_flush")
 
 
@@ -145,8 +144,13 @@ def validate(args, ctx: Context) -> None:
         require(not given, f"{', '.join(given)} need --pipeline-model-parallel-size > 1 (as in "
                 "Megatron-LM); drop them at pipeline size 1")
         args.overlap_p2p_comm = False
-        return
-    _check_pipeline_layout(args, ctx.dims.pp)
+    else:
+        _check_pipeline_layout(args, ctx.dims.pp)
+    if args.virtual_pipeline_model_parallel_size is None:  # read by the interleaved schedule
+        ignore_without(args, ctx, "a virtual pipeline, --num-layers-per-virtual-pipeline-stage "
+                       "or --num-virtual-stages-per-pipeline-rank", ((
+                           "--microbatch-group-size-per-virtual-pipeline-stage",
+                           "microbatch_group_size_per_virtual_pipeline_stage", None),))
 
 
 def _check_pipeline_layout(args, pp: int) -> None:
@@ -187,10 +191,9 @@ def _check_pipeline_layout(args, pp: int) -> None:
 def _check_interleaving(args, pp: int) -> None:
     """Megatron-LM's rules for the interleaved schedule's flags; only it overlaps its p2p."""
     interleaved = args.virtual_pipeline_model_parallel_size is not None
-    require(interleaved or not (args.microbatch_group_size_per_virtual_pipeline_stage
-                                or args.overlap_p2p_communication_warmup_flush),
-            "--microbatch-group-size-per-virtual-pipeline-stage and --overlap-p2p-"
-            "communication-warmup-flush need a virtual pipeline")
+    require(interleaved or not args.overlap_p2p_communication_warmup_flush,
+            "--overlap-p2p-communication-warmup-flush needs a virtual pipeline (megatron-core's "
+            "rule: it overlaps the interleaved schedule's p2p communication)")
     require(not interleaved or args.overlap_p2p_comm or pp > 2,
             f"--no-overlap-p2p-communication with a virtual pipeline needs --pipeline-model-"
             f"parallel-size > 2 (got {pp}): at 2 one batch would send and receive twice between "

@@ -14,7 +14,9 @@ Sharded data parallelism (`training/fsdp.py`): --use-torch-fsdp2 (megatron-core'
 CPU and GPU) and --use-megatron-fsdp with --data-parallel-sharding-strategy (GPU), both sharding
 over DP x SP, with Megatron-LM's rules; Megatron-FSDP's buffer options and TP comm overlap
 (userbuffers) and CUDA graphs are validated as Megatron-LM validates them, then refused in one
-message: they are not wired into this package's model build. Every flag here but
+message: they are not wired into this package's model build. The options of a feature that
+is off (FP8's without --fp8-format, the CPU offload's without --optimizer-cpu-offload, ...) are
+ignored with one warning, as Megatron-LM ignores them. Every other flag here but
 --use-torch-fsdp2 needs CUDA: on CPU one message names those given.
 """
 
@@ -27,7 +29,7 @@ import torch
 
 from ...backends import te_available
 from ...errors import ConfigError
-from .checks import Context, check_range, require
+from .checks import Context, check_range, ignore_without, require
 from .grad_buckets import GradBucketFields
 
 _SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -50,15 +52,21 @@ _FSDP_FLAGS = (
     ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy",
      "optim_grads_params"),
 )
-# Megatron-FSDP's buffer, dtype and initialization options: validated, then refused.
-_FSDP_OPTIONS = (
-    ("--init-model-with-meta-device", "init_model_with_meta_device", False),
-    ("--use-nccl-ub", "nccl_ub", False), ("--fsdp-double-buffer", "fsdp_double_buffer", False),
-    ("--fsdp-manual-registration", "fsdp_manual_registration", False),
+# Megatron-FSDP's own buffer, dtype and HSDP options: ignored without it, refused with it.
+_FSDP_BUFFER_OPTIONS = (
+    ("--fsdp-double-buffer", "fsdp_double_buffer", False),
     ("--megatron-fsdp-main-params-dtype", "megatron_fsdp_main_params_dtype", "fp32"),
     ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
     ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
     ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
+)
+# Megatron-FSDP's options as a whole: validated, then refused (not wired into the model build);
+# meta-device initialization and NCCL user buffers are features of their own in Megatron-LM.
+_FSDP_OPTIONS = (
+    ("--init-model-with-meta-device", "init_model_with_meta_device", False),
+    ("--use-nccl-ub", "nccl_ub", False),
+    ("--fsdp-manual-registration", "fsdp_manual_registration", False),
+    *_FSDP_BUFFER_OPTIONS,
 )
 # The precision-aware optimizer's dtypes (TE's FusedAdam): other than fp32 only with it.
 # Megatron-LM's map of their names (fp8 states are stored as uint8).
@@ -78,21 +86,26 @@ _OFFLOAD_OPTIONS = (
     ("--no-pin-cpu-grads", "pin_cpu_grads", True),
     ("--no-pin-cpu-params", "pin_cpu_params", True),
 )
+_TP_COMM_OVERLAP = (("--tp-comm-overlap", "tp_comm_overlap", False),
+                    ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None))
+_DEFER_WGRAD = (
+    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", False),
+    ("--wgrad-deferral-limit", "wgrad_deferral_limit", 0),
+)
+_GRAD_REDUCE_IN_BF16 = ("--grad-reduce-in-bf16", "grad_reduce_in_bf16", False)
 _OTHER_FLAGS = (
     ("--overlap-param-gather", "overlap_param_gather", False),
     ("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step",
      False),
-    ("--grad-reduce-in-bf16", "grad_reduce_in_bf16", False),
+    _GRAD_REDUCE_IN_BF16,
     ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances", 1),
     ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
     ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
     *_OFFLOAD_OPTIONS, *_OPTIMIZER_DTYPES,
     ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", False),
-    ("--tp-comm-overlap", "tp_comm_overlap", False),
-    ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None),
+    *_TP_COMM_OVERLAP,
     ("--cuda-graph-impl", "cuda_graph_impl", "none"),
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", False),
-    ("--wgrad-deferral-limit", "wgrad_deferral_limit", 0),
+    *_DEFER_WGRAD,
 )
 
 
@@ -325,14 +338,14 @@ def given_flags(args, table) -> list:
 
 
 def validate(args, ctx: Context) -> None:
-    """Torch FSDP2's rules; on CPU one message for all the other flags given; on GPU
-    Megatron-LM's rules, then the features not wired here refused. After the parallel section
-    (it derives the virtual pipeline)."""
+    """The options of features that are off ignored; torch FSDP2's rules; on CPU one message
+    for all the other flags given; on GPU Megatron-LM's rules, then the features not wired here
+    refused. After the parallel section (it derives the virtual pipeline)."""
     # Megatron-LM's rule: only the interleaved schedule launches aligned all-gathers.
     args.align_param_gather = args.align_param_gather and \
         args.virtual_pipeline_model_parallel_size is not None
+    _ignore_options_of_features_off(args, ctx)
     _check_torch_fsdp2(args, ctx)
-    _drop_fp8_options(args, ctx)
     given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
     if not ctx.cuda:
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
@@ -365,20 +378,29 @@ def validate(args, ctx: Context) -> None:
             "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
 
 
-def _drop_fp8_options(args, ctx: Context) -> None:
-    """FP8 options without --fp8-format change nothing in Megatron-LM (megatron-core reads them
-    only with FP8): said once, and back to their defaults (so CPU runs take them too)."""
-    extra = given_flags(args, _FP8_FLAGS[1:]) if args.fp8 is None else []
-    if extra:
-        ctx.warnings.append(f"{', '.join(extra)}: FP8 options without --fp8-format are ignored "
-                            "(as in Megatron-LM)")
-        for _, dest, off in _FP8_FLAGS[1:]:
-            setattr(args, dest, off)
+def _ignore_options_of_features_off(args, ctx: Context) -> None:
+    """The options of a feature that is off change nothing in Megatron-LM (megatron-core reads
+    them only with it): said once and back to their defaults, before the CPU check (so CPU runs
+    take them too)."""
+    for feature, on, options in (
+            ("--fp8-format", args.fp8 is not None, _FP8_FLAGS[1:]),
+            ("--optimizer-cpu-offload", args.optimizer_cpu_offload, _OFFLOAD_OPTIONS),
+            ("--tp-comm-overlap", args.tp_comm_overlap, _TP_COMM_OVERLAP[1:]),
+            ("--defer-embedding-wgrad-compute", args.defer_embedding_wgrad_compute,
+             _DEFER_WGRAD[1:]),
+            ("--use-megatron-fsdp", args.use_megatron_fsdp,
+             _FSDP_FLAGS[1:] + _FSDP_BUFFER_OPTIONS),
+            ("--use-torch-fsdp2", args.use_torch_fsdp2, (
+                ("--torch-fsdp2-no-reshard-after-forward", "torch_fsdp2_reshard_after_forward",
+                 True),)),
+            ("--bf16", args.bf16, (_GRAD_REDUCE_IN_BF16,))):
+        if not on:
+            ignore_without(args, ctx, feature, options)
 
 
 def _check_fp8(args) -> None:
     """Megatron-LM's and Transformer Engine's FP8 rules, on the flags of this run."""
-    if args.fp8 is None:  # its options were set aside by `_drop_fp8_options`
+    if args.fp8 is None:  # its options were set aside by `_ignore_options_of_features_off`
         return
     require(args.transformer_impl == "transformer_engine",
             f"--fp8-format {args.fp8} runs Transformer Engine's FP8 GEMMs: it needs "
@@ -453,8 +475,6 @@ def _check_ddp(args, ctx: Context) -> None:
                           "Megatron-LM), and torch_dist is this package's only checkpoint "
                           "format; drop it (--overlap-param-gather still overlaps the "
                           "all-gather with the forward)")
-    require(not args.grad_reduce_in_bf16 or args.bf16,
-            "--grad-reduce-in-bf16 reduces bf16 gradients: it needs --bf16")
     instances = args.num_distributed_optimizer_instances
     if instances > 1:
         require(args.use_distributed_optimizer, f"--num-distributed-optimizer-instances "
@@ -479,10 +499,6 @@ def _check_optimizer(args) -> None:
                 "--use-precision-aware-optimizer (the hybrid optimizer reuses its code path)")
         require(not args.fp8_param_gather or args.fp8_recipe == "delayed",
                 "--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed")
-    else:
-        given = given_flags(args, _OFFLOAD_OPTIONS)
-        require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
-                "--optimizer-cpu-offload")
     dtypes = given_flags(args, _OPTIMIZER_DTYPES)
     require(not dtypes or args.use_precision_aware_optimizer,
             f"{', '.join(dtypes)} other than fp32 {'needs' if len(dtypes) == 1 else 'need'} "
@@ -494,8 +510,6 @@ def _check_optimizer(args) -> None:
 
 def _check_tp_comm_overlap(args, ctx: Context) -> None:
     """Megatron-LM's rules for TE's userbuffers overlap, then refused (not wired)."""
-    require(args.tp_comm_overlap_cfg is None or args.tp_comm_overlap,
-            "--tp-comm-overlap-cfg needs --tp-comm-overlap")
     if not args.tp_comm_overlap:
         return
     require(ctx.dims.tp > 1 and args.sequence_parallel,
@@ -508,10 +522,8 @@ def _check_tp_comm_overlap(args, ctx: Context) -> None:
 
 
 def _check_torch_fsdp2(args, ctx: Context) -> None:
-    """Megatron-LM's rules for --use-torch-fsdp2, and what it does not take here."""
+    """Megatron-LM's rules for --use-torch-fsdp2."""
     if not args.use_torch_fsdp2:
-        require(args.torch_fsdp2_reshard_after_forward,
-                "--torch-fsdp2-no-reshard-after-forward needs --use-torch-fsdp2")
         return
     require(not args.use_megatron_fsdp, "--use-torch-fsdp2 and --use-megatron-fsdp are "
             "exclusive; give one")
@@ -534,13 +546,11 @@ def _check_torch_fsdp2(args, ctx: Context) -> None:
                  importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
             "--use-torch-fsdp2 is not supported with gradient-accumulation fusion (as in "
             "Megatron-LM): add --no-gradient-accumulation-fusion")
-    others = given_flags(args, _FSDP_FLAGS[1:] + _FSDP_OPTIONS)
-    require(not others, f"{', '.join(others)}: Megatron-FSDP's options; --use-torch-fsdp2 "
-            "always shards parameters, gradients and optimizer state: drop them")
 
 
 def _check_megatron_fsdp(args, ctx: Context) -> None:
-    """Megatron-LM's rules for --use-megatron-fsdp; its buffer options are refused."""
+    """Megatron-LM's rules for --use-megatron-fsdp; its options (those left: without it its
+    buffer options are ignored) are refused."""
     given = given_flags(args, _FSDP_OPTIONS)
     if args.use_megatron_fsdp and args.init_model_with_meta_device:
         require(args.data_parallel_sharding_strategy != "no_shard",
@@ -553,9 +563,6 @@ def _check_megatron_fsdp(args, ctx: Context) -> None:
                         "user buffers, double buffer, dtypes and outer (HSDP) sharding are not "
                         "wired into megatron_ulysses' model build; drop them")
     if not args.use_megatron_fsdp:
-        require(args.data_parallel_sharding_strategy == "optim_grads_params",
-                f"--data-parallel-sharding-strategy {args.data_parallel_sharding_strategy} "
-                "needs --use-megatron-fsdp")
         return
     require(ctx.dims.pp == 1, "--use-megatron-fsdp is not wired with pipeline parallelism "
             f"here (--pipeline-model-parallel-size {ctx.dims.pp}); use 1")

@@ -33,7 +33,8 @@ def validate(args, ctx: Context) -> None:
                  args.position_embedding_type == "learned_absolute"),
             "--no-position-embedding leaves no position information with "
             f"--position-embedding-type {args.position_embedding_type}; add "
-            "--position-embedding-type rope (or --use-rotary-position-embeddings)")
+            "--position-embedding-type rope (or --use-rotary-position-embeddings), as "
+            "Megatron-LM requires")
     _check_rope_fusion(args, ctx)
     if args.fp16 and args.loss_scale is None:  # megatron-core's DynamicGradScaler asserts it
         require(args.min_loss_scale <= args.initial_loss_scale,
