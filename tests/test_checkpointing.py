@@ -635,3 +635,44 @@ def test_the_offloaded_optimizers_classes_pass_as_values_and_are_never_called():
     trust._check_torch_payload(_blob({"optimizer": {"param_groups": groups}}))
     with pytest.raises(trust._Refused, match="a call of torch.optim.adamw.AdamW"):
         trust._check_torch_payload(_blob({"evil": _CallsAdamW()}))
+
+
+class _RecordsTheOptIn(torch.nn.Module):
+    """Reads Transformer Engine's unsafe-pickle opt-in when its extra state is set, as TE 2.20's
+    `set_extra_state` does before it unpickles FP8 delayed scaling's metadata."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(2))
+        self.seen = None
+
+    def get_extra_state(self):
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_extra_state(self, state):
+        self.seen = os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
+
+
+def test_checked_extra_states_are_loaded_under_te_opt_in_for_that_load_only(monkeypatch):
+    # TE >= 2.20 refuses to unpickle FP8 delayed scaling's extra state without the opt-in (an
+    # H100 FP8 resume failed so); the checked load sets it, and the environment is restored.
+    from types import SimpleNamespace
+
+    from megatron_ulysses.training.checkpointing import _load_weights
+
+    monkeypatch.delenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", raising=False)
+    layer = _RecordsTheOptIn()
+    weights = {"weight": torch.ones(2), **_extra_state({"scale_fwd": torch.ones(3)})}
+    weights["_extra_state"] = weights.pop("layer._extra_state")
+    _load_weights("ckpt", SimpleNamespace(module=layer), weights)
+    assert layer.seen == "1" and torch.equal(layer.weight.detach(), torch.ones(2))
+    assert "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE" not in os.environ
+    monkeypatch.setenv("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE", "0")  # a user's own setting
+    _load_weights("ckpt", SimpleNamespace(module=layer), weights)
+    assert os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] == "0"
+    # a payload in the extra state is refused before the opt-in is ever set
+    weights["_extra_state"] = _extra_state({"scale_fwd": _FromBytes(b"x")})["layer._extra_state"]
+    layer.seen = None
+    with pytest.raises(ConfigError, match="_extra_state"):
+        _load_weights("ckpt", SimpleNamespace(module=layer), weights)
+    assert layer.seen is None

@@ -82,7 +82,7 @@ from .fsdp import (
     shard_loaded_states,
 )
 from .logging import append_progress, print_rank_0
-from .trust import check_checkpoint_files, check_extra_states
+from .trust import check_checkpoint_files, check_extra_states, extra_states_checked
 
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2  # 2: RNG states as per-rank tensors, no pickled objects
@@ -629,7 +629,9 @@ def _load_weights(path: str, model, weights: dict) -> None:
     check_extra_states(path, weights)
     gpt = model.module.module if isinstance(model.module, Float16Module) else model.module
     weights = local_shards_as_dtensors(gpt, weights)
-    _check_missing(path, gpt.load_state_dict(weights, strict=False).missing_keys)
+    with extra_states_checked():
+        missing = gpt.load_state_dict(weights, strict=False).missing_keys
+    _check_missing(path, missing)
 
 
 def load_checkpoint(root: str, model, optimizer, scheduler, config):

@@ -18,12 +18,14 @@ optimizer's classes, as values only (in `.pt` files and ShardedObjects), for bot
   * `metadata.json` (JSON, no code) must name the torch_dist backend.
 Tensor items of `*.distcp` are read by DCP with `torch.load(weights_only=True)`. After the load,
 non-empty `_extra_state` byte tensors (Transformer Engine unpickles them) get the same check
-(`check_extra_states`). Anything else is refused with one `ConfigError` naming `--load` and the
+(`check_extra_states`); Transformer Engine >= 2.20 then unpickles FP8 delayed scaling's only
+inside `extra_states_checked` (its NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE opt-in). Anything else is refused with one `ConfigError` naming `--load` and the
 offending file; a truncated or garbage file is one `ConfigError` too, and never reaches the real
 unpickler.
 """
 
 import collections
+import contextlib
 import io
 import json
 import os
@@ -320,3 +322,23 @@ def check_extra_states(path: str, state, prefix: str = "") -> None:
             _checked(path, f"{path} (model {name})", lambda d: _unpickle(
                 d, {**_PLAIN, **_TENSOR_REBUILD, **_TE_EXTRA_STATE}), data)
 
+
+_TE_UNSAFE_PICKLE = "NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"
+
+
+@contextlib.contextmanager
+def extra_states_checked():
+    """Around `load_state_dict` of weights that `check_extra_states` passed: Transformer Engine
+    (>= 2.20) unpickles FP8 delayed scaling's `_extra_state` only with its opt-in
+    NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE=1. Those bytes resolve nothing but plain values, tensor
+    rebuilds and TE's recipe (checked), so unpickling them runs no code: the opt-in is set for
+    this load alone and the environment restored after."""
+    before = os.environ.get(_TE_UNSAFE_PICKLE)
+    os.environ[_TE_UNSAFE_PICKLE] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[_TE_UNSAFE_PICKLE]
+        else:
+            os.environ[_TE_UNSAFE_PICKLE] = before
