@@ -114,6 +114,7 @@ def rank_bytes(model, optimizer) -> dict:
                for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
     if hasattr(model, "megatron_fsdp_dist_index"):  # Megatron-FSDP: its buffers hold them
         params, grads = _megatron_fsdp_buffers(model, "model_weight_buffer", "main_grad_buffer")
+        params = params or list(model.parameters())  # no_shard: no weight buffer (H100 log)
     else:
         params = list(model.parameters())
         grads = [local_grad(p) for p in params if p.grad is not None or hasattr(p, "main_grad")]
