@@ -176,24 +176,30 @@ def test_zero_centered_norm_starts_as_the_plain_norm_and_scales_by_one_plus_w(rm
     torch.testing.assert_close(norm(x), plain(x))
 
 
-def _build_layernorm_1p_model(rank, world_size):
-    config = parse_args(BASE + ["--apply-layernorm-1p", "--qk-layernorm", "--squared-relu",
-                                "--normalization", "RMSNorm"], world_size=1)
+@contextlib.contextmanager
+def _built_model(flags):
+    """The GPT model of BASE + `flags` on this one process (vocab padded to 128)."""
+    config = parse_args(BASE + flags, world_size=1)
     cpu_compat.install()
     ps.initialize_model_parallel(dims=config.dims)
     rng.seed_dropout_streams(1)
     try:
         config = config.with_padded_vocab_size(128)
         mcore = model_builders.transformer_config(config.model, config.dims)
-        model = model_builders.build_model(config.model, config.optimizer, 1, mcore)
+        yield model_builders.build_model(config.model, config.optimizer, 1, mcore)
+    finally:
+        ps.destroy_model_parallel()
+
+
+def _build_layernorm_1p_model(rank, world_size):
+    with _built_model(["--apply-layernorm-1p", "--qk-layernorm", "--squared-relu",
+                       "--normalization", "RMSNorm"]) as model:
         norms = {name: p for name, p in model.named_parameters() if "norm" in name}
         # input / pre-MLP / q / k norms of 2 layers and the final norm: gamma - 1 = 0
         assert len(norms) == 2 * 4 + 1, sorted(norms)
         assert all(torch.equal(p, torch.zeros_like(p)) for p in norms.values())
         logits = model(torch.randint(0, 64, (1, 32)), torch.arange(32)[None], None)
         assert torch.isfinite(logits).all()
-    finally:
-        ps.destroy_model_parallel()
 
 
 def test_layernorm_1p_builds_zero_centered_norms_in_the_local_spec():
@@ -535,21 +541,12 @@ def test_fsdp2_no_reshard_after_forward_reaches_its_config():
 
 
 def _build_with_embedding_std(rank, world_size):
-    config = parse_args(BASE + ["--embedding-init-method-std", "1.0"], world_size=1)
-    cpu_compat.install()
-    ps.initialize_model_parallel(dims=config.dims)
-    rng.seed_dropout_streams(1)
-    try:
-        config = config.with_padded_vocab_size(128)
-        mcore = model_builders.transformer_config(config.model, config.dims)
-        model = model_builders.build_model(config.model, config.optimizer, 1, mcore)
+    with _built_model(["--embedding-init-method-std", "1.0"]) as model:
         params = dict(model.named_parameters())
         embedding = next(p for name, p in params.items() if "word_embeddings" in name)
         qkv = next(p for name, p in params.items() if "linear_qkv.weight" in name)
         assert abs(embedding.std().item() - 1.0) < 0.05, embedding.std()
         assert abs(qkv.std().item() - 0.02) < 0.005, qkv.std()  # --init-method-std's
-    finally:
-        ps.destroy_model_parallel()
 
 
 def test_embedding_init_method_std_initializes_the_embedding_only():
