@@ -198,6 +198,17 @@ def test_optimizer_cpu_offload_reaches_megatron_cores_optimizer_config():
       "--tensor-model-parallel-size", "2"], 6,
      "--swiglu and --tensor-model-parallel-size 2 needs an even data parallel x "
      "--ulysses-sp-size \\(it is 3\\)"),
+    # measured wrong on an H100 (tests/gpu/test_fsdp_gpu.py): refused until found
+    (["--bf16", "--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--tiled-mlp-shards",
+      "2", "--recompute-granularity", "full", "--recompute-method", "uniform"], 2,
+     "^--use-torch-fsdp2 with --tiled-mlp-shards, --recompute-granularity full on GPU is not "
+     "supported yet"),
+    (["--bf16", "--use-megatron-fsdp", "--offload-activations", "--tiled-loss-shards", "2",
+      "--recompute-granularity", "full", "--recompute-method", "uniform"], 2,
+     "^--use-megatron-fsdp with --tiled-loss-shards, --offload-activations, "
+     "--recompute-granularity full on GPU"),
+    (["--bf16", "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim"], 2,
+     "^--data-parallel-sharding-strategy optim with --use-megatron-fsdp is not supported yet"),
     (["--bf16", "--defer-embedding-wgrad-compute"], 1, "--pipeline-model-parallel-size > 1"),
     (["--bf16", "--defer-embedding-wgrad-compute", "--pipeline-model-parallel-size", "2",
       "--no-gradient-accumulation-fusion"], 2, "needs gradient-accumulation fusion"),

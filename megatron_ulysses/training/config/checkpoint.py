@@ -49,22 +49,7 @@ def add_arguments(parser) -> None:
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
                    help="load model weights only; iteration and consumed samples start at 0")
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="with --load: take the model's shape flags (--num-layers, "
-                   "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
-                   "checkpoint where the command line does not give them, and its tokenizer "
-                   "(--tokenizer-type, --tokenizer-model) over the command line's")
-    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
-                   help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
-                   "the command line gives them")
-    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
-                   "--disable-use-tokenizer-model-from-checkpoint-args",
-                   dest="use_tokenizer_model_from_checkpoint_args", action="store_false",
-                   help="with --use-checkpoint-args: the tokenizer from the command line, not "
-                   "the checkpoint's --tokenizer-type and --tokenizer-model (which "
-                   "--use-checkpoint-args takes over the command line's, as in Megatron-LM)")
-    # what --use-checkpoint-args took over the command line, said by `validate`
-    parser.set_defaults(checkpoint_args_warnings=())
+    _add_checkpoint_args_arguments(parser, g)
     g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
                    help="checkpoints are megatron-core dist_checkpointing (torch_dist); torch "
                    "and torch_dcp write torch_dist too (Megatron-LM loads it), with a warning")
@@ -92,6 +77,35 @@ def add_arguments(parser) -> None:
     g.add_argument("--exit-on-missing-checkpoint", action="store_true",
                    help="with --load: stop if it holds no checkpoint instead of training "
                    "from scratch")
+    _add_async_arguments(g)
+    g.add_argument("--verify-integrity", action="store_true",
+                   help="SHA-256 of every checkpoint file on save, checked on load "
+                   "(megatron-core >= 0.19)")
+
+
+
+def _add_checkpoint_args_arguments(parser, g) -> None:
+    """--use-checkpoint-args and what it takes from the checkpoint."""
+    g.add_argument("--use-checkpoint-args", action="store_true",
+                   help="with --load: take the model's shape flags (--num-layers, "
+                   "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
+                   "checkpoint where the command line does not give them, and its tokenizer "
+                   "(--tokenizer-type, --tokenizer-model) over the command line's")
+    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
+                   help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
+                   "the command line gives them")
+    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
+                   "--disable-use-tokenizer-model-from-checkpoint-args",
+                   dest="use_tokenizer_model_from_checkpoint_args", action="store_false",
+                   help="with --use-checkpoint-args: the tokenizer from the command line, not "
+                   "the checkpoint's --tokenizer-type and --tokenizer-model (which "
+                   "--use-checkpoint-args takes over the command line's, as in Megatron-LM)")
+    # what --use-checkpoint-args took over the command line, said by `validate`
+    parser.set_defaults(checkpoint_args_warnings=())
+
+
+def _add_async_arguments(g) -> None:
+    """--async-save and Megatron-LM's options of its writer."""
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in the background (with --use-persistent-ckpt-worker, "
                    "as Megatron-LM requires); the tracker moves when the write is complete")
@@ -101,9 +115,6 @@ def add_arguments(parser) -> None:
     g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
                    help="nvidia-resiliency-ext's CPU shared-memory staging: not used (a "
                    "warning says so); megatron-core's queue stages in process memory")
-    g.add_argument("--verify-integrity", action="store_true",
-                   help="SHA-256 of every checkpoint file on save, checked on load "
-                   "(megatron-core >= 0.19)")
 
 
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
