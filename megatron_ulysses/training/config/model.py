@@ -126,21 +126,7 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default --seq-length")
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
-                   default="learned_absolute",
-                   help="none: no position information (NoPE), as megatron-core's GPTModel")
-    g.add_argument("--use-rotary-position-embeddings", action="store_const",
-                   dest="position_embedding_type", const="rope",
-                   help="= --position-embedding-type rope (Megatron-LM's older flag)")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="llama3 RoPE frequency scaling (megatron-core's; with "
-                   "--position-embedding-type rope)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="the llama3 scaling factor of --use-rope-scaling")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=number, default=None,
-                   help="linear RoPE position interpolation: positions / factor")
+    _add_position_arguments(g)
     g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
@@ -176,6 +162,25 @@ def _add_shape_arguments(g, required: bool) -> None:
                    "--init-method-std), megatron-core's embedding_init_method_std")
     _add_variant_arguments(g)
 
+
+
+def _add_position_arguments(g) -> None:
+    """Position information: learned, RoPE (its base, share, scaling, interpolation) or none."""
+    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
+                   default="learned_absolute",
+                   help="none: no position information (NoPE), as megatron-core's GPTModel")
+    g.add_argument("--use-rotary-position-embeddings", action="store_const",
+                   dest="position_embedding_type", const="rope",
+                   help="= --position-embedding-type rope (Megatron-LM's older flag)")
+    g.add_argument("--rotary-base", type=int, default=10000)
+    g.add_argument("--rotary-percent", type=float, default=1.0)
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="llama3 RoPE frequency scaling (megatron-core's; with "
+                   "--position-embedding-type rope)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
+                   help="the llama3 scaling factor of --use-rope-scaling")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=number, default=None,
+                   help="linear RoPE position interpolation: positions / factor")
 
 def _add_variant_arguments(g) -> None:
     """Megatron-LM's attention and MLP variants: their defaults (what this model is) only."""
