@@ -15,9 +15,10 @@
 # Environment (defaults in brackets): HF_PATH (required: config.json, *.safetensors and the
 # tokenizer files), DATA_JSONL (required: one {"text": ...} per line), RUN_DIR
 # [runs/extend_llama3], SP [8], GPUS_PER_NODE [8], SEQ_LENGTH [131072], TRAIN_ITERS [1000],
-# GLOBAL_BATCH [DP x 4, DP = GPUS_PER_NODE / SP], LR [1e-5], ROTARY_BASE (a new RoPE base, e.g.
-# for a Qwen-style base change; unset: the checkpoint's), PASSKEY_LENGTHS
-# [8192,32768,131072]. Extra arguments go to pretrain_gpt.py.
+# GLOBAL_BATCH [DP x 4, DP = GPUS_PER_NODE / SP], LR [1e-5], PASSKEY_LENGTHS [8192,32768,131072].
+# Extra arguments go to pretrain_gpt.py. --use-checkpoint-args takes the checkpoint's RoPE base
+# and dropout over the command line's, as Megatron-LM's does (a warning says so): a new base
+# needs the model flags instead of --use-checkpoint-args.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
 cd "$(dirname "$0")/.."
@@ -52,10 +53,8 @@ if [[ -f "$CKPT_DIR/latest_checkpointed_iteration.txt" ]]; then
 else
     START=(--load "$IMPORTED" --finetune)
 fi
-ROPE=()
-[[ -z "${ROTARY_BASE:-}" ]] || ROPE=(--rotary-base "$ROTARY_BASE")
 torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain_gpt.py \
-    "${START[@]}" --use-checkpoint-args ${ROPE[@]+"${ROPE[@]}"} \
+    "${START[@]}" --use-checkpoint-args \
     --seq-length "$SEQ_LENGTH" --ulysses-sp-size "$SP" \
     --tiled-mlp-shards auto --tiled-loss-shards auto \
     --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 \

@@ -430,18 +430,33 @@ def test_an_unknown_flag_is_one_line_naming_it(capsys):
         "use --micro-batch-size" in err, err
 
 
-@pytest.mark.parametrize("flags, groups", [
-    ([], 8),  # the checkpoint's MHA
-    (["--group-query-attention", "--num-query-groups", "2"], 2),  # the command line wins
+@pytest.mark.parametrize("flags, replaced", [
+    ([], []),
+    (["--num-layers", "4", "--seq-length", "64"], []),  # shape flags: the command line wins
+    (["--group-query-attention", "--num-query-groups", "2", "--rotary-base", "1000000",
+      "--hidden-dropout", "0.0"],  # Megatron-LM's forced ones: the checkpoint's
+     ["--group-query-attention True", "--num-query-groups 2", "--rotary-base 1000000",
+      "--hidden-dropout 0.0"]),
 ])
-def test_use_checkpoint_args_keeps_query_groups_given_on_the_command_line(
-        flags, groups, monkeypatch):
+def test_use_checkpoint_args_takes_what_megatron_lm_takes(flags, replaced, monkeypatch):
+    """Megatron-LM's load_args_from_checkpoint: shape flags only where the command line gives
+    none; query groups, RoPE base, dropout (its force=True list) over the command line's, one
+    warning naming each value replaced."""
     from megatron_ulysses.training import checkpointing
 
-    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8,
-             "num_query_groups": 8}
+    saved = {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 8, "seq_length": 32,
+             "num_query_groups": 8, "rotary_base": 500000, "hidden_dropout": 0.1}
     monkeypatch.setattr(checkpointing, "read_checkpoint_args", lambda path: saved)
-    run = [*RUN, "--mock-data", "--vocab-size", "64", "--seq-length", "32"]
+    run = [*RUN, "--mock-data", "--vocab-size", "64"]
     config = parse_args(run + ["--load", "CKPT", "--use-checkpoint-args", *flags],
                         world_size=1)
-    assert config.model.num_query_groups == groups
+    model = config.model
+    assert (model.num_query_groups, model.rotary_base, model.hidden_dropout) == (8, 500000, 0.1)
+    assert (model.num_layers, model.seq_length) == ((4, 64) if "--num-layers" in flags else
+                                                    (2, 32))
+    said = [w for w in config.warnings if "the checkpoint's values are used instead" in w]
+    assert len(said) == (1 if replaced else 0), config.warnings
+    for value in replaced:
+        assert value in said[0], said
+    if replaced:
+        assert "--rotary-base 500000" in said[0] and "as Megatron-LM's" in said[0], said

@@ -126,11 +126,11 @@ def test_import_export_at_tp2_is_bitwise(hf_dir, tmp_path):
     _assert_same_model(hf_dir, out)
 
 
-def _train(nproc, checkpoint, *flags, data=("--mock-data",)):
+def _train(nproc, checkpoint, *flags, data=("--mock-data",), model=("--use-checkpoint-args",)):
     # NullTokenizer adds its EOD after --vocab-size ids: VOCAB - 1 + 1 = the import's rows.
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
-               "--load", str(checkpoint), "--use-checkpoint-args", "--finetune",
+               "--load", str(checkpoint), *model, "--finetune",
                *data,
                "--vocab-size", str(VOCAB - 1), "--seq-length", "64",
                "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
@@ -187,14 +187,30 @@ def test_first_loss_of_the_imported_model_is_hf_loss(hf_dir, checkpoint, tmp_pat
     assert got[1] == pytest.approx(expected.item(), rel=1e-5)
 
 
-def test_a_new_rotary_base_on_the_command_line_wins_and_exports(hf_dir, checkpoint, sp1_losses,
-                                                               tmp_path):
-    # Context extension raises the RoPE base on load: the flag beats the checkpoint's value,
-    # changes the numerics and reaches the exported config.json.
+def test_a_new_rotary_base_needs_the_model_flags_and_exports(hf_dir, checkpoint, sp1_losses,
+                                                              tmp_path):
+    # As Megatron-LM's, --use-checkpoint-args keeps the checkpoint's RoPE base over the command
+    # line's (a warning says so); context extension raises it with the model flags instead:
+    # that changes the numerics and reaches the exported config.json.
+    import convert_hf
+    from megatron_ulysses.training.arguments import parse_args
+    from megatron_ulysses.training.checkpointing import read_checkpoint_args
+
+    saved = read_checkpoint_args(str(checkpoint))
+    run = ["--load", str(checkpoint), "--mock-data", "--vocab-size", str(VOCAB - 1),
+           "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1", "--eval-iters", "0"]
+    config = parse_args(run + ["--use-checkpoint-args", "--rotary-base", "2000000"],
+                        world_size=1)
+    assert config.model.rotary_base == saved["rotary_base"] != 2000000
+    assert [w for w in config.warnings if w.startswith(
+        f"--rotary-base 2000000: the checkpoint's values are used instead (--rotary-base "
+        f"{saved['rotary_base']}), as Megatron-LM's --use-checkpoint-args does")], config.warnings
+    model_flags = convert_hf.trainer_argv(dict(saved, vocab_size=None, group_query_attention=(
+        saved["num_query_groups"] != saved["num_attention_heads"])), 1)[:-len(convert_hf._RUN)]
     trained = tmp_path / "trained"
-    base = sp1_losses
-    raised = losses(_train(1, checkpoint, "--rotary-base", "2000000", "--save", str(trained)))
-    assert raised[1] != pytest.approx(base[1], rel=1e-6)
+    raised = losses(_train(1, checkpoint, "--rotary-base", "2000000", "--save", str(trained),
+                           model=model_flags))
+    assert raised[1] != pytest.approx(sp1_losses[1], rel=1e-6)
     out, tokenizer = tmp_path / "exported", tmp_path / "tokenizer"
     tokenizer.mkdir()
     (tokenizer / "tokenizer_config.json").write_text('{"model_max_length": 131072}')

@@ -66,7 +66,7 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
         rotary_seq_len_interpolation_factor=None, normalization="RMSNorm", norm_epsilon=1e-5,
         swiglu=True, untie_embeddings_and_output_weights=False, add_bias_linear=False,
         add_qkv_bias=False, qk_layernorm=False, apply_layernorm_1p=False, squared_relu=False,
-        rotary_interleaved=False, num_experts=None,
+        rotary_interleaved=False, num_experts=None, attention_dropout=0.0, hidden_dropout=0.0,
         multi_latent_attention=False, mtp_num_layers=None,
         virtual_pipeline_model_parallel_size=None, tensor_model_parallel_size=1,
         pipeline_model_parallel_size=1, vocab_size=255, padded_vocab_size=256,

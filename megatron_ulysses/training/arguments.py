@@ -17,7 +17,7 @@ from .config import RunConfig, from_namespace, rules
 from .config import (bounds, checkpoint, compat, data, fusions, grad_buckets, logging, memory,
                      model, optimizer, parallel, performance, refused, training)
 from .config.checkpoint import apply_checkpoint_args
-from .config.checks import Context
+from .config.checks import Context, require
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
 from .config.memory import RECOMPUTE_MODULES  # noqa: F401 (re-exported)
 
@@ -159,6 +159,8 @@ def parse_args(argv=None, world_size: int = None) -> RunConfig:
     if args.use_checkpoint_args:
         apply_checkpoint_args(args, given={word.split("=")[0] for word in raw
                                            if word.startswith("--")})
+        require(args.seq_length is not None, f"--use-checkpoint-args: the checkpoint at "
+                f"--load {args.load} holds no --seq-length (saved before it was); give it")
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
     return validate_args(args, world_size, torch.cuda.is_available())

@@ -111,12 +111,13 @@ _LAYOUT_ARGS = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
 # Also saved (not checked; --use-checkpoint-args takes them): RoPE and norm numerics, the vocab
-# padding, --vocab-size (None with a tokenizer file) and the tokenizer (`_saved_tokenizer`).
+# padding, the sequence length and dropout, --vocab-size (None with a tokenizer file) and the
+# tokenizer (`_saved_tokenizer`).
 _TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tiktoken_pattern")
 _SAVED_ARGS = _MODEL_ARGS + _LAYOUT_ARGS + _OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
-    "vocab_size") + _TOKENIZER_ARGS
+    "vocab_size", "seq_length", "attention_dropout", "hidden_dropout") + _TOKENIZER_ARGS
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:

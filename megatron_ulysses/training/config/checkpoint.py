@@ -214,26 +214,34 @@ def _validate_async(args, ctx: Context) -> None:
         args.async_ckpt_use_cpu_shm = False
 
 
-# Flags --use-checkpoint-args takes from the checkpoint's saved args (those it holds). TP must
-# match the checkpoint's, so it is taken; the pipeline layout need not (a checkpoint loads at
-# any), so it is not, as Megatron-LM takes it only with --use-mp-args-from-checkpoint-args.
+# --use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: these come from the
+# checkpoint's saved args where the command line gives none (TP too: it must match the
+# checkpoint's; the pipeline layout need not, a checkpoint loads at any, so it is taken only with
+# --use-mp-args-from-checkpoint-args, as in Megatron-LM) ...
 CHECKPOINT_ARGS = (
-    "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-    "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
-    "rotary_percent", "use_rope_scaling", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor", "normalization", "norm_epsilon", "swiglu",
-    "untie_embeddings_and_output_weights", "disable_bias_linear", "add_qkv_bias",
-    "qk_layernorm", "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+    "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
+    "kv_channels", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
+    "rotary_seq_len_interpolation_factor", "norm_epsilon", "qk_layernorm",
+    "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+)
+# ... and these over the command line's (Megatron-LM's force=True), a warning naming each
+# command-line value replaced.
+FORCED_CHECKPOINT_ARGS = (
+    "num_query_groups", "group_query_attention", "position_embedding_type", "rotary_base",
+    "rotary_percent", "rotary_interleaved", "disable_bias_linear", "add_qkv_bias",
+    "squared_relu", "swiglu", "untie_embeddings_and_output_weights", "apply_layernorm_1p",
+    "normalization", "apply_query_key_layer_scaling", "attention_dropout", "hidden_dropout",
 )
 # What --use-mp-args-from-checkpoint-args takes from the checkpoint over the command line.
 _PARALLEL_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size")
 
 
 def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset()) -> None:
-    """--use-checkpoint-args: the model-shape flags from the checkpoint at --load (checked
-    for pickled code before it is read), except those in `given` (flags on the command line win,
-    as Megatron-LM's: e.g. a new --rotary-base for context extension; a shape that differs from
-    the checkpoint's is refused by the load), and its tokenizer (`_take_tokenizer`)."""
+    """--use-checkpoint-args: the model flags from the checkpoint at --load (checked for
+    pickled code before it is read), as Megatron-LM's: CHECKPOINT_ARGS where the command line
+    (`given`) has none, FORCED_CHECKPOINT_ARGS over it (a warning names what they replace; a
+    shape that differs from the checkpoint's is refused by the load), and its tokenizer
+    (`_take_tokenizer`)."""
     require(args.load is not None, "--use-checkpoint-args needs --load (as in Megatron-LM)")
     from .. import checkpointing  # megatron-core's dist_checkpointing: only needed here
 
@@ -245,15 +253,19 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
                if saved.get(k) is None]
     require(not missing, f"--use-checkpoint-args: the checkpoint at --load {args.load} holds "
             f"no {', '.join(missing)}; give them on the command line")
-    forced = _PARALLEL_ARGS if args.use_mp_args_from_checkpoint_args else ()
+    forced = FORCED_CHECKPOINT_ARGS + (_PARALLEL_ARGS if args.use_mp_args_from_checkpoint_args
+                                       else ())
     for name in CHECKPOINT_ARGS:
-        if name in saved and (flag_name(name) not in given or name in forced):
+        if saved.get(name) is not None and flag_name(name) not in given and name not in forced:
             setattr(args, name, saved[name])
-    if "num_query_groups" in saved and not given & {"--group-query-attention",
-                                                    "--num-query-groups"}:
-        args.group_query_attention = saved["num_query_groups"] != saved["num_attention_heads"]
-        if not args.group_query_attention:
-            args.num_query_groups = None
+    if saved.get("num_query_groups") is not None and "group_query_attention" not in saved:
+        saved = dict(saved, group_query_attention=
+                     saved["num_query_groups"] != saved["num_attention_heads"])
+    _take(args, {flag_name(name): (name, saved[name]) for name in forced
+                 if saved.get(name) is not None},
+          "the checkpoint's values are used instead", given)
+    if not args.group_query_attention:
+        args.num_query_groups = None
     _take_tokenizer(args, saved)
     if args.vocab_size is None and saved.get("vocab_size") is not None and \
             args.tokenizer_type in (None, "NullTokenizer"):
@@ -293,19 +305,20 @@ def _take_tokenizer(args: argparse.Namespace, saved: dict) -> None:
         require(pattern in ("v1", "v2"), f"{was} --tiktoken-pattern {pattern!r:.80}, not v1 "
                 "or v2: no TikTokenizer run of this package or Megatron-LM saved it")
         taken["--tiktoken-pattern"] = ("tiktoken_pattern", pattern)
-    _take(args, taken)
+    _take(args, taken, "the checkpoint's tokenizer is used instead")
 
 
-def _take(args: argparse.Namespace, taken: dict) -> None:
-    """Set `taken` ({flag: (dest, value)}), saying which command-line values they replace."""
-    replaced = [f"{flag} {getattr(args, dest)}" for flag, (dest, value) in taken.items()
-                if getattr(args, dest) not in (None, value)]
+def _take(args: argparse.Namespace, taken: dict, what: str, given=None) -> None:
+    """Set `taken` ({flag: (dest, value)}), a warning naming the command-line values (those of
+    the flags in `given`; any set when None) they replace."""
+    replaced = {flag: value for flag, (dest, value) in taken.items()
+                if getattr(args, dest) not in (None, value) and (given is None or flag in given)}
     if replaced:
         keep = ("; --no-use-tokenizer-model-from-checkpoint-args keeps the command line's"
                 if "--tokenizer-type" in taken else "")
         args.checkpoint_args_warnings += (
-            f"{', '.join(replaced)}: the checkpoint's tokenizer is used instead ("
-            + ", ".join(f"{flag} {value}" for flag, (_, value) in taken.items())
+            ", ".join(f"{flag} {getattr(args, taken[flag][0])}" for flag in replaced)
+            + f": {what} (" + ", ".join(f"{flag} {value}" for flag, value in replaced.items())
             + f"), as Megatron-LM's --use-checkpoint-args does{keep}",)
     for dest, value in taken.values():
         setattr(args, dest, value)

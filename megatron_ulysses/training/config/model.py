@@ -123,7 +123,7 @@ def _add_shape_arguments(g, required: bool) -> None:
     g.add_argument("--num-query-groups", type=int, default=None,
                    help="with --group-query-attention (default 1 there, as in Megatron-LM)")
     g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
-    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--seq-length", type=int, required=required)
     g.add_argument("--max-position-embeddings", type=int, default=None,
                    help="default --seq-length")
     _add_position_arguments(g)
