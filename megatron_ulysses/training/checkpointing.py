@@ -82,6 +82,7 @@ from .fsdp import (
     shard_loaded_states,
 )
 from .logging import append_progress, print_rank_0
+from .optimizer import count_on_after_load
 from .trust import check_checkpoint_files, check_extra_states, extra_states_checked
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -675,6 +676,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, config):
         main_params_as_dtensors(optimizer, loaded["optimizer"])
         optimizer.load_state_dict(loaded["optimizer"])
         shard_loaded_states(optimizer)
+        count_on_after_load(optimizer)
         _load_scheduler(path, scheduler, loaded["opt_param_scheduler"])
     if rng_states is not None:
         _set_rng_tensors({name: tensor[0] for name, tensor in loaded["rng_state"].items()})

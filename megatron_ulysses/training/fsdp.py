@@ -131,7 +131,7 @@ def _megatron_fsdp_buffers(model, *names):
             for name in names]
 
 
-def _torch_optimizers(optimizer):
+def torch_optimizers(optimizer):
     """The torch optimizer(s) in `optimizer`: itself, or inside megatron-core's wrapper(s)."""
     for each in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         yield getattr(each, "optimizer", each)
@@ -139,7 +139,7 @@ def _torch_optimizers(optimizer):
 
 def optimizer_states(optimizer):
     """The per-parameter states of a torch optimizer, or of megatron-core's wrapper(s) of one."""
-    for torch_optimizer in _torch_optimizers(optimizer):
+    for torch_optimizer in torch_optimizers(optimizer):
         yield from torch_optimizer.state.values()
 
 
@@ -168,7 +168,7 @@ def shard_loaded_states(optimizer) -> None:
     rank's shard, made the DTensor the step computes with (as a fresh run's states are)."""
     from torch.distributed.tensor import DTensor
 
-    for torch_optimizer in _torch_optimizers(optimizer):
+    for torch_optimizer in torch_optimizers(optimizer):
         for param, state in torch_optimizer.state.items():
             if not isinstance(param, DTensor):
                 continue

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from .chunks import model_chunks
 from .config.performance import PerformanceConfig, optimizer_kwargs
-from .fsdp import local_grad, sum_over_shards
+from .fsdp import local_grad, sum_over_shards, torch_optimizers
 
 
 def mcore_optimizer_config(config, model_config):
@@ -141,6 +141,22 @@ class CpuAdamW:
             for param_state in state_dict["state"].values():
                 param_state["step"] = torch.tensor(float(step))
         self.optimizer.load_state_dict(state_dict)
+
+
+def count_on_after_load(optimizer) -> None:
+    """After a load: megatron-core's HybridDeviceOptimizer (--optimizer-cpu-offload) copies its
+    param groups into its sub-optimizers before every step, and a loaded checkpoint leaves the
+    saved Adam step in those groups, so TE's FusedAdam (the GPU share) restarted from it at
+    every step: its bias correction stuck at the resumed iteration (the resumed run logged the
+    uninterrupted digits for two iterations, then drifted; H100). The sub-optimizers already
+    hold the loaded step (megatron-core's post-load hook): dropping it from the HDO's groups
+    lets FusedAdam count on, as in a run never stopped."""
+    from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+
+    for inner in torch_optimizers(optimizer):
+        if isinstance(inner, HybridDeviceOptimizer):
+            for group in inner.param_groups:
+                group.pop("step", None)
 
 
 def build_optimizer(config, model_config, model, performance=PerformanceConfig(),
