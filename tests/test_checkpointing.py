@@ -6,7 +6,8 @@ go through pretrain_gpt.py to see the user's message.
   in an RNG ShardedObject or in a layer's `_extra_state` bytes) is refused with one message
   naming --load and the file, and the payload never runs (it would create a marker file).
 - Every rank saves its own RNG states (python, numpy, torch, every tracker stream) and gets them
-  back at the same layout; at another SP x DP layout they are left as seeded and rank 0 warns.
+  back at the same layout; at another SP x DP layout or TP size they are left as seeded and
+  rank 0 warns; at another TP size each rank loads its block of every weight.
 - Shard files and directories are fsynced before the rename and the tracker update; a writer
   killed between renaming the old iteration aside and the new one in leaves the tracker
   pointing at a loadable checkpoint (the old one), and the next save cleans up.
@@ -187,6 +188,21 @@ def _rng_cases(rank, world, root):
         assert "WARNING" not in printed, printed
     _teardown()
 
+    # Another TP size (TP 1 -> TP 2, the same padded vocab): each rank gets its TP block of
+    # every weight (megatron-core's interleaved q, k, v groups included), RNG stays as seeded.
+    build = _build(world, "--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by",
+                   "64")
+    seeded = _rng_snapshot()
+    (iteration, _), printed = _load(root, build)
+    assert iteration == SAVED_AT and _rng_snapshot() == seeded
+    for name, shard in _weights(build[1]).items():
+        whole = weights[name]
+        split = [d for d in range(whole.dim()) if whole.shape[d] != shard.shape[d]]
+        assert torch.equal(shard, whole.chunk(world, split[0])[rank] if split else whole), name
+    assert (printed.count(RNG_WARNING), "TP 1 x" in printed, "TP 2 x" in printed) == (
+        (1, True, True) if rank == 0 else (0, False, False)), printed
+    _teardown()
+
 
 def test_every_rank_restores_its_own_rng_and_another_layout_keeps_the_seeded_ones(tmp_path):
     spawn(_rng_cases, 2, str(tmp_path / "ckpt"))
@@ -359,7 +375,8 @@ VALIDATION = {
         "checkpoint False", "--num-layers: checkpoint 1, this run 2"]),
     "vocabulary": ([], ["--vocab-size", "200"], None, [
         "padded vocab size (from the tokenizer or --vocab-size, --make-vocab-size-divisible-by "
-        "and TP): checkpoint 128, this run 256"]),
+        "and TP, or --padded-vocab-size): checkpoint 128, this run 256. Run with the "
+        "checkpoint's values"]),
     "train iters": ([], ["--train-iters", "2"], None, [
         "--train-iters (2) is smaller than the iteration of the checkpoint at --load "
         "{root}/iter_0000003 (3)"]),
@@ -417,6 +434,34 @@ def test_load_validation_gives_one_clear_message(validated, name):
     assert "error" in outcome, f"loaded: {outcome}"
     for part in parts:
         assert part in outcome["error"]
+
+
+def _args_at(tp: int, padded: int, *flags: str) -> dict:
+    """`_saved_args` of BASE at TP `tp` (world `tp`) with `padded` vocab rows."""
+    from megatron_ulysses.training.arguments import parse_args
+    from megatron_ulysses.training.checkpointing import _saved_args
+
+    config = parse_args(BASE + ["--tensor-model-parallel-size", str(tp), *flags], world_size=tp)
+    return _saved_args(config.with_padded_vocab_size(padded))
+
+
+def test_another_tp_loads_but_its_padded_vocab_must_be_the_checkpoints():
+    """`_check_args`: TP is saved, not checked; the vocab rows it pads to are, with the flag
+    that keeps the checkpoint's (or why none can at this TP)."""
+    from megatron_ulysses.training.checkpointing import _check_args
+
+    saved = _args_at(2, 256)  # 65 ids padded to a multiple of 128 x 2
+    _check_args("ckpt", saved, _args_at(1, 256, "--padded-vocab-size", "256"))
+    with pytest.raises(ConfigError) as error:
+        _check_args("ckpt", saved, _args_at(1, 128))
+    assert str(error.value) == (
+        "--load ckpt was saved with another model: padded vocab size (from the tokenizer or "
+        "--vocab-size, --make-vocab-size-divisible-by and TP, or --padded-vocab-size): "
+        "checkpoint 256, this run 128. Run with the checkpoint's values (the padding depends "
+        "on TP: give --padded-vocab-size 256 to keep the checkpoint's rows)")
+    with pytest.raises(ConfigError, match=r"its 102 vocab rows do not split over "
+                       r"--tensor-model-parallel-size 4; run at a TP that divides them\)$"):
+        _check_args("ckpt", _args_at(1, 102), _args_at(4, 512))
 
 
 # --- 3. durability ------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 - SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
   packed documents with reset attention, a sequence length SP must pad).
 - A run stopped at iteration 4 and resumed (past the debris of a crashed save) equals the
-  uninterrupted run; so does resuming the same checkpoint at another SP and DP size
-  (SP 2 x DP 1 -> SP 1 x DP 2); the stopped run (TiledMLP, tiled loss, offload), the resumed one
-  (selective recompute) and one at TP 2 x SP 2 with --sequence-parallel give the same losses.
+  uninterrupted run; so does resuming the same checkpoint at another SP, DP and TP size
+  (SP 2 x DP 1 -> SP 1 x DP 2, TP 1 -> TP 2 x SP 2) and one saved at TP 2 x SP 2 at TP 1 x DP 2
+  (weights and Adam moments resharded); the stopped run (TiledMLP, tiled loss, offload), the
+  resumed one (selective recompute) and one at TP 2 x SP 2 with --sequence-parallel give the
+  same losses.
 - SIGTERM with --exit-signal-handler saves a checkpoint and exits cleanly; a NaN gradient stops
   the run before its update, with one message (unless --no-check-for-nan-in-loss-and-grad).
 - Bad configurations fail with one message naming the flag, before any process group exists.
@@ -118,14 +120,18 @@ def test_gpt2_bpe_data_as_megatron_lm_makes_it(gpt2_files, tmp_path):
                                     "type that uses it")
 
 
-def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
+def test_resume_equals_uninterrupted_also_at_another_sp_dp_and_tp_size(tmp_path):
     flags = ["--mock-data", "--vocab-size", "256", "--train-iters", "8", "--eval-iters", "0"]
     full = losses(launch(2, *flags, "--ulysses-sp-size", "2"))
-    # TP 2 x SP 2 with sequence parallelism; the same padded vocab (3 x 128) as TP 1.
-    tensor_parallel = losses(launch(4, *flags, "--ulysses-sp-size", "2",
-                                    "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                                    "--make-vocab-size-divisible-by", "64"))
+    # TP 2 x SP 2 with sequence parallelism; the same padded vocab (3 x 128) as TP 1. It saves
+    # iteration 4 on its way; its tracker set back to 4, it is a run stopped there.
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+           "--make-vocab-size-divisible-by", "64"]
+    tp_ckpt = tmp_path / "tp2"
+    tensor_parallel = losses(launch(4, *flags, "--ulysses-sp-size", "2", *tp2, "--save",
+                                    str(tp_ckpt), "--save-interval", "4"))
     assert tensor_parallel == pytest.approx(full, rel=2e-6)
+    (tp_ckpt / "latest_checkpointed_iteration.txt").write_text("4")
 
     # The ALST memory features change memory, not numerics: the run stopped at iteration 4
     # uses them, the one that resumes it selective recompute.
@@ -145,13 +151,19 @@ def test_resume_equals_uninterrupted_also_at_another_sp_size(tmp_path):
     (crashed / "half_written").write_bytes(b"\0" * 10)
 
     other_sp = losses(launch(2, *flags, "--load", str(ckpt)))  # SP 2 x DP 1 -> SP 1 x DP 2
-    selective = losses(launch(2, *flags, "--ulysses-sp-size", "2", "--recompute-granularity",
-                              "selective", "--recompute-modules", "core_attn", "mlp",
-                              "--load", str(ckpt), "--save", str(ckpt)))
+    # TP 2 x SP 2 -> TP 1 x DP 2: the weights and Adam moments resharded, the RNG states seeded.
+    from_tp2 = launch(2, *flags, "--load", str(tp_ckpt))
+    assert ("it was saved at world 4 = TP 2 x PP 1 x DP 1 x Ulysses SP 2, this run is world 2 = "
+            "TP 1 x PP 1 x DP 2 x Ulysses SP 1: RNG states are per rank and are not restored"
+            in from_tp2.stdout), from_tp2.stdout[-3000:]
+    # TP 1 x SP 2 -> TP 2 x SP 2 (and selective recompute)
+    selective = losses(launch(4, *flags, "--ulysses-sp-size", "2", *tp2,
+                              "--recompute-granularity", "selective", "--recompute-modules",
+                              "core_attn", "mlp", "--load", str(ckpt), "--save", str(ckpt)))
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "8"
     assert sorted(os.listdir(ckpt)) == [".lock", "iter_0000004", "iter_0000008",
                                         "latest_checkpointed_iteration.txt"]
-    for run in (selective, other_sp):
+    for run in (selective, other_sp, losses(from_tp2)):
         assert sorted(run) == [5, 6, 7, 8]
         for iteration in run:
             assert run[iteration] == pytest.approx(full[iteration], rel=2e-6)

@@ -18,12 +18,15 @@ bytes by `trust.check_extra_states`.
 
 RNG: each rank saves its own torch CPU, CUDA, megatron-core tracker, python `random` and numpy
 states as tensors (one row per rank). A load with the same world size, TP, PP and SP restores each
-rank's own; at another layout (another --ulysses-sp-size or data-parallel size) the RNG states are
-not restored: the run keeps the streams seeded from --seed, and rank 0 says so.
+rank's own; at another layout (another --ulysses-sp-size, data-parallel, tensor-parallel or
+pipeline size) the RNG states are not restored: the run keeps the streams seeded from --seed, and
+rank 0 says so.
 
-Model tensors are stored unsharded-by-layout (megatron-core's global keys), so a run can resume
-with another `--ulysses-sp-size`, data-parallel size, pipeline size or virtual pipeline (TP must
-match).
+Model tensors are stored unsharded-by-layout (megatron-core's global keys and shapes; its
+dist_checkpointing reshards them on load), so a run can resume with another `--ulysses-sp-size`,
+data-parallel size, TP size, pipeline size or virtual pipeline, its Adam moments too (they are
+sharded as their parameters). The padded vocabulary must match: it depends on TP
+(`_check_args` names --padded-vocab-size).
 
 --async-save: the files are written by megatron-core's async writer and the steps after the
 write (fsync, record, rename, tracker, --save-retain-interval) are its request's finalize step
@@ -88,7 +91,9 @@ from .trust import check_checkpoint_files, check_extra_states, extra_states_chec
 TRACKER = "latest_checkpointed_iteration.txt"
 FORMAT_VERSION = 2  # 2: RNG states as per-rank tensors, no pickled objects
 # The distributed optimizer's canonical, per-parameter layout: it loads at any DP x SP size (SP
-# lives inside megatron-core's DP, so a new --ulysses-sp-size changes DP'). megatron-core 0.19's
+# lives inside megatron-core's DP, so a new --ulysses-sp-size changes DP), TP and PP size (as
+# Megatron-LM requires of a load at another TP x PP: its checkpoint_fully_reshardable_formats).
+# megatron-core 0.19's
 # default, fully_sharded_model_space, is deprecated there and fails to save; dp_reshardable
 # reshards over DP only with the same bucket layout. `CpuAdamW` takes and ignores it.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -96,18 +101,22 @@ OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # and the run that loads it (max_position_embeddings only with learned absolute positions).
 _MODEL_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                "num_query_groups", "kv_channels", "padded_vocab_size",
-               "tensor_model_parallel_size",
                "position_embedding_type", "rotary_percent", "swiglu", "normalization",
                "qk_layernorm", "untie_embeddings_and_output_weights", "disable_bias_linear",
                "add_qkv_bias", "apply_layernorm_1p", "squared_relu", "rotary_interleaved")
 # What a checkpoint saved before an arg existed means by its absence (it still loads).
 _MISSING_MEANS = {"add_qkv_bias": False, "apply_layernorm_1p": False, "squared_relu": False,
                   "rotary_interleaved": False}
-# The pipeline layout: saved, not checked. megatron-core's keys number the layers over the
-# whole model and the tied output layer is saved as the embedding, so the model and its Adam
-# moments load at any PP and virtual pipeline (as Megatron-LM loads torch_dist checkpoints);
-# only the per-rank RNG states need the same layout (`_rng_states_to_load`).
-_LAYOUT_ARGS = ("pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")
+# The model-parallel layout: saved, not checked. megatron-core's keys number the layers over
+# the whole model and the tied output layer is saved as the embedding, so the model loads at any
+# PP and virtual pipeline; its ShardedTensors hold global shapes with each TP rank's offsets
+# (SwiGLU's fc1 as its gate and up halves), so dist_checkpointing reshards them at any TP. The
+# Adam moments are sharded as their parameters (`CpuAdamW`, megatron-core's optimizers, the
+# distributed one in `OPTIMIZER_METADATA`'s layout) and load too, as Megatron-LM loads
+# torch_dist checkpoints. Only the per-rank RNG states need the same layout
+# (`_rng_states_to_load`), and the padded vocabulary, which depends on TP, the same rows.
+_LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size")
 # Args that change the optimizer state's keys (megatron-core's distributed optimizer, its
 # mixed-precision optimizer and the fp32 one each name them differently).
 _OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
@@ -439,12 +448,27 @@ def _check_missing(path: str, keys) -> None:
 def _flag(key: str) -> str:
     if key == "padded_vocab_size":
         return ("padded vocab size (from the tokenizer or --vocab-size, "
-                "--make-vocab-size-divisible-by and TP)")
+                "--make-vocab-size-divisible-by and TP, or --padded-vocab-size)")
     return flag_name(key)
 
 
+def _vocab_hint(saved: dict, run: dict) -> str:
+    """How to run with the checkpoint's padded vocab rows (`saved`) at this run's TP: they are
+    the tokenizer's rounded up to a multiple of --make-vocab-size-divisible-by x TP, so another
+    TP may pad to other rows (Megatron-LM's --use-checkpoint-args takes the checkpoint's)."""
+    rows, tp = saved.get("padded_vocab_size"), run["tensor_model_parallel_size"]
+    if not isinstance(rows, int) or saved.get("tensor_model_parallel_size") in (None, tp):
+        return ""
+    if rows % tp:
+        return (f" (its {rows} vocab rows do not split over --tensor-model-parallel-size {tp}; "
+                "run at a TP that divides them)")
+    return (f" (the padding depends on TP: give --padded-vocab-size {rows} to keep the "
+            "checkpoint's rows)")
+
+
 def _check_args(path: str, saved: dict, run: dict) -> None:
-    """The checkpoint's model and TP values (`saved`) against this run's (`run`)."""
+    """The checkpoint's model values (`saved`) against this run's (`run`); its TP and pipeline
+    layout may differ (`_LAYOUT_ARGS`), not its padded vocab."""
     keys = list(_MODEL_ARGS)
     if run["position_embedding_type"] == "learned_absolute":
         keys.append("max_position_embeddings")
@@ -456,8 +480,10 @@ def _check_args(path: str, saved: dict, run: dict) -> None:
         details = "; ".join(
             f"{_flag(key)}: checkpoint {'(not saved)' if a is missing else repr(a)}, "
             f"this run {b!r}" for key, a, b in mismatched)
-        raise ConfigError(f"--load {path} was saved with another model or TP size: "
-                          f"{details}. Run with the checkpoint's values")
+        vocab = any(key == "padded_vocab_size" for key, _, _ in mismatched)
+        hint = _vocab_hint(saved, run) if vocab else ""
+        raise ConfigError(f"--load {path} was saved with another model: {details}. Run with "
+                          f"the checkpoint's values{hint}")
     if run["position_embedding_type"] == "rope" and saved.get("rotary_base") not in \
             (None, run["rotary_base"]):
         print_rank_0(f" WARNING: --rotary-base {run['rotary_base']} differs from the checkpoint's "
