@@ -211,6 +211,16 @@ def test_bad_input_is_one_message_naming_the_flag(flags, message, checkpoint, sp
     assert not (tmp_path / "out").exists()
 
 
+def test_padded_vocab_size_keeps_the_checkpoints_rows_at_another_tp(checkpoint, sp_model,
+                                                                     tmp_path):
+    # The import padded no rows at TP 1 (--make-vocab-size-divisible-by 1000); TP 2 pads to
+    # 2000 (the load refuses that, naming --padded-vocab-size), which takes the flag's rows.
+    argv = _flags(checkpoint, sp_model, tmp_path / "out", "--tensor-model-parallel-size", "2")
+    rows = [eval_passkey.parse(argv + more, world_size=2).config.model.padded_vocab_size
+            for more in ([], ["--padded-vocab-size", str(TINY_VOCAB)])]
+    assert rows == [2 * TINY_VOCAB, TINY_VOCAB]
+
+
 def test_cli_exits_2_without_a_traceback(checkpoint, sp_model, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     result = subprocess.run([sys.executable, TOOL, *_flags(checkpoint, sp_model, tmp_path),

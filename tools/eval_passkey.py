@@ -105,7 +105,7 @@ def parse(argv: Optional[Sequence[str]] = None, world_size: Optional[int] = None
         setattr(args, name, parser.get_default(name) if value is None else value)
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    return make_plan(args, world_size)
+    return make_plan(args, world_size, arguments.given_flags(raw))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

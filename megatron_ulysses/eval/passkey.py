@@ -29,6 +29,7 @@ from ..training.checkpointing import load_checkpoint, read_tracker
 from ..training.logging import print_rank_0
 from ..training.loop import initialize_distributed
 from ..training.model import build_model, transformer_config
+from ..vocab import model_vocab_size
 from .greedy import predict
 from .prompt import PromptBuilder, make_key, too_short
 from .results import format_table, summarize, write_results
@@ -116,13 +117,14 @@ def _check_passkey_flags(args):
     return lengths, depths
 
 
-def _check_checkpoint(args) -> None:
+def _check_checkpoint(args, given: frozenset) -> None:
     """--use-checkpoint-args takes the model's flags (and the tokenizer it names, as
-    Megatron-LM's) from --load; else a checkpoint must be there. The prompt is text: a text
+    Megatron-LM's) from --load, as pretrain_gpt.py's (the shape where the command line's flags,
+    `given`, have none: e.g. another TP); else a checkpoint must be there. The prompt is text: a text
     tokenizer is needed. The evaluation runs at PP 1 (a checkpoint of any pipeline layout loads
     there)."""
     if args.use_checkpoint_args:
-        arguments.apply_checkpoint_args(args)  # with the tokenizer the checkpoint names
+        arguments.apply_checkpoint_args(args, given)  # and the tokenizer the checkpoint names
     elif read_tracker(args.load) is None:
         raise ConfigError(f"--load {args.load}: no checkpoint there (no "
                           "latest_checkpointed_iteration.txt)")
@@ -175,18 +177,19 @@ def _tokenizer(args):
         raise ConfigError(str(error)) from None
 
 
-def make_plan(args, world_size: int) -> Plan:
-    """Check the parsed flags `args` (pretrain_gpt.py's that mean nothing here already reset),
-    the checkpoint's saved args, the tokenizer and every prompt, for `world_size` ranks; raises
-    `ConfigError`."""
+def make_plan(args, world_size: int, given: frozenset) -> Plan:
+    """Check the parsed flags `args` (pretrain_gpt.py's that mean nothing here already reset;
+    `given`: the flags on the command line, `arguments.given_flags`), the checkpoint's saved
+    args, the tokenizer and every prompt, for `world_size` ranks; raises `ConfigError`."""
     lengths, depths = _check_passkey_flags(args)
-    _check_checkpoint(args)
+    _check_checkpoint(args, given)
     _check_lengths(args, lengths)
     config = _run_config(args, lengths, world_size)
     arguments.check_writable_dir(args.output_dir, "--output-dir")
     tokenizer = _tokenizer(args)
-    config = config.with_padded_vocab_size(arguments.padded_vocab_size(
-        tokenizer.vocab_size, config.model.make_vocab_size_divisible_by, config.dims.tp))
+    config = config.with_padded_vocab_size(model_vocab_size(  # as pretrain_gpt.py's
+        tokenizer.vocab_size, config.model.padded_vocab_size,
+        config.model.make_vocab_size_divisible_by, config.dims.tp, config.model.pad_vocab_size))
     builder = PromptBuilder(tokenizer)
     jobs = [Job(length, depth, trial, make_key(args.seed, length, depth, trial))
             for length in lengths for depth in depths for trial in range(args.trials)]

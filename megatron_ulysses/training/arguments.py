@@ -150,6 +150,11 @@ def validate_args(args: argparse.Namespace, world_size: int, cuda: bool) -> RunC
     return from_namespace(args, ctx.dims, ctx.warnings)
 
 
+def given_flags(raw) -> frozenset:
+    """The flags (`--name`) on the command line `raw`: those --use-checkpoint-args leaves."""
+    return frozenset(word.split("=")[0] for word in raw if word.startswith("--"))
+
+
 def parse_args(argv=None, world_size: int = None) -> RunConfig:
     """Parse, validate and freeze; argparse errors exit 2, `ConfigError` is raised."""
     import sys
@@ -157,8 +162,7 @@ def parse_args(argv=None, world_size: int = None) -> RunConfig:
     raw = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(model_flags_required="--use-checkpoint-args" not in raw).parse_all(raw)
     if args.use_checkpoint_args:
-        apply_checkpoint_args(args, given={word.split("=")[0] for word in raw
-                                           if word.startswith("--")})
+        apply_checkpoint_args(args, given=given_flags(raw))
         require(args.seq_length is not None, f"--use-checkpoint-args: the checkpoint at "
                 f"--load {args.load} holds no --seq-length (saved before it was); give it")
     if world_size is None:
