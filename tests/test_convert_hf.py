@@ -4,7 +4,8 @@ A tiny random Llama with GQA (fp32, untied, vocab 100) saved with `save_pretrain
 - import at TP 1 (and TP 2) -> export gives every tensor bitwise equal and the same config.json;
   `AutoModelForCausalLM.from_pretrained` of the export gives the original's logits exactly;
 - `pretrain_gpt.py --load CKPT --use-checkpoint-args --finetune` (no model flags) trains it at
-  SP = 1 and SP = 2 with the same per-iteration losses, and the trained checkpoint exports;
+  SP = 1 and SP = 2 with the same per-iteration losses, and the trained checkpoint exports; one
+  saved at PP 2 exports the PP 1 tensors;
 - bad input exits 2 with one message naming the flag.
 """
 
@@ -163,6 +164,21 @@ def test_finetune_from_checkpoint_args_at_sp1_and_sp2(hf_dir, checkpoint, sp1_lo
                            _tensors(hf_dir)["model.norm.weight"])  # it did train
 
 
+def test_a_checkpoint_saved_at_pp2_exports_the_pp1_tensors(hf_dir, checkpoint, tmp_path):
+    # --lr 0: the PP 2 run saves the imported weights unchanged, so its export must be the
+    # import's, which the PP 1 export gives bitwise (test_import_export_is_bitwise_...).
+    from megatron_ulysses.training.checkpointing import read_checkpoint_args
+
+    pp2 = tmp_path / "pp2"
+    assert list(losses(_train(2, checkpoint, "--pipeline-model-parallel-size", "2", "--lr", "0",
+                              "--train-iters", "1", "--save", str(pp2)))) == [1]
+    assert read_checkpoint_args(str(pp2))["pipeline_model_parallel_size"] == 2
+    out = tmp_path / "exported"
+    result = convert("export", "--load", str(pp2), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_model(hf_dir, out)
+
+
 def test_first_loss_of_the_imported_model_is_hf_loss(hf_dir, checkpoint, tmp_path):
     # Two copies of one 64-token document (split 50,50,0): every sample is that document. The
     # import pads no vocab rows (padded logits would enter the softmax), so iteration 1's loss
@@ -233,7 +249,7 @@ def test_bad_input_exits_2_naming_the_flag(hf_dir, tmp_path, capsys):
     assert result.returncode == 2 and "--tensor-model-parallel-size" in result.stderr
     result = convert_refusal(capsys, "import", "--hf-path", str(hf_dir), "--output",
                              str(tmp_path / "c"), "--pipeline-model-parallel-size", "2")
-    assert result.returncode == 2 and "not supported yet" in result.stderr
+    assert result.returncode == 2 and "import writes the model at PP 1" in result.stderr
     bad = tmp_path / "gpt2"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))

@@ -11,9 +11,10 @@ common state. Train it with
 
     pretrain_gpt.py --load CKPT --use-checkpoint-args --finetune --seq-length ... ...
 
-`export` loads a checkpoint (the import's or a trained one; any TP) the way the trainer does (its
-files are checked for pickled code first) and writes DIR/config.json (the stored HF config with
-the checkpoint's values) and DIR/model.safetensors. Bad input exits 2 with one message.
+`export` loads a checkpoint (the import's or a trained one; any TP and pipeline layout) the way
+the trainer does (its files are checked for pickled code first), at its TP and PP 1, and writes
+DIR/config.json (the stored HF config with the checkpoint's values) and DIR/model.safetensors.
+Bad input exits 2 with one message.
 """
 
 import argparse
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", required=True, help="checkpoint directory to write (--save)")
     p.add_argument("--tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-model-parallel-size", type=int, default=1,
-                   help="only 1 (pipeline parallelism is not supported yet)")
+                   help="only 1 (the checkpoint trains at any pipeline size)")
     p = commands.add_parser("export", help="torch_dist checkpoint -> HF model directory")
     p.add_argument("--load", required=True, help="checkpoint directory (as pretrain's --load)")
     p.add_argument("--output", required=True, help="directory for config.json + "
@@ -247,7 +248,8 @@ def import_hf(args) -> None:
 
     if args.pipeline_model_parallel_size != 1:
         raise ConversionError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
-                              ": pipeline parallelism is not supported yet; use 1")
+                              ": import writes the model at PP 1; use 1 (the checkpoint trains "
+                              "at any --pipeline-model-parallel-size)")
     if args.tensor_model_parallel_size < 1:
         raise ConversionError("--tensor-model-parallel-size must be positive, got "
                               f"{args.tensor_model_parallel_size}")
@@ -322,10 +324,6 @@ def export_hf(args) -> None:
         raise ConversionError(f"--load {path} holds no saved model args")
     if hf_config is not None and not isinstance(hf_config, dict):
         raise ConversionError(f"--load {path}: its hf_config is not a JSON object")
-    if saved.get("pipeline_model_parallel_size", 1) != 1:
-        raise ConversionError(f"--load {path} was saved with --pipeline-model-parallel-size "
-                              f"{saved['pipeline_model_parallel_size']}: pipeline parallelism "
-                              "is not supported yet")
     vocab = (hf_config or {}).get("vocab_size") or saved.get("vocab_size")
     if not isinstance(vocab, int):
         raise ConversionError(f"--load {path} records no vocab size (no hf_config, no "
@@ -346,6 +344,8 @@ def export_hf(args) -> None:
     except ValueError as error:
         raise ConversionError(f"--load {path}: {error}") from None
     tokenizer_files = _tokenizer_files(args.tokenizer_dir)
+    # Its TP (each rank's share fits where it trained) and PP 1 (the pipeline layout need not
+    # match: `checkpointing._LAYOUT_ARGS`; --use-checkpoint-args takes no PP).
     tp = saved["tensor_model_parallel_size"]
     argv = ["--load", args.load, "--use-checkpoint-args", "--finetune", "--vocab-size",
             str(vocab), "--tensor-model-parallel-size", str(tp)] + _RUN

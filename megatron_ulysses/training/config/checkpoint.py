@@ -215,9 +215,9 @@ def _validate_async(args, ctx: Context) -> None:
 
 
 # --use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: these come from the
-# checkpoint's saved args where the command line gives none (TP too: it must match the
-# checkpoint's; the pipeline layout need not, a checkpoint loads at any, so it is taken only with
-# --use-mp-args-from-checkpoint-args, as in Megatron-LM) ...
+# checkpoint's saved args where the command line gives none (TP too, though a checkpoint loads at
+# any TP; the pipeline layout is taken only with --use-mp-args-from-checkpoint-args, as in
+# Megatron-LM) ...
 CHECKPOINT_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
     "kv_channels", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
