@@ -93,9 +93,9 @@ FORMAT_VERSION = 2  # 2: RNG states as per-rank tensors, no pickled objects
 # The distributed optimizer's canonical, per-parameter layout: it loads at any DP x SP size (SP
 # lives inside megatron-core's DP, so a new --ulysses-sp-size changes DP), TP and PP size (as
 # Megatron-LM requires of a load at another TP x PP: its checkpoint_fully_reshardable_formats).
-# megatron-core 0.19's
-# default, fully_sharded_model_space, is deprecated there and fails to save; dp_reshardable
-# reshards over DP only with the same bucket layout. `CpuAdamW` takes and ignores it.
+# megatron-core 0.19's default, fully_sharded_model_space, is deprecated there and fails to
+# save; dp_reshardable reshards over DP only with the same bucket layout. `CpuAdamW` takes and
+# ignores it.
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # Args that change parameter shapes or their meaning: they must match between the checkpoint
 # and the run that loads it (max_position_embeddings only with learned absolute positions).
