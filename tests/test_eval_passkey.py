@@ -211,14 +211,15 @@ def test_bad_input_is_one_message_naming_the_flag(flags, message, checkpoint, sp
     assert not (tmp_path / "out").exists()
 
 
-def test_padded_vocab_size_keeps_the_checkpoints_rows_at_another_tp(checkpoint, sp_model,
-                                                                     tmp_path):
-    # The import padded no rows at TP 1 (--make-vocab-size-divisible-by 1000); TP 2 pads to
-    # 2000 (the load refuses that, naming --padded-vocab-size), which takes the flag's rows.
+def test_use_checkpoint_args_keeps_the_checkpoints_rows_at_another_tp(checkpoint, sp_model,
+                                                                        tmp_path):
+    # The import padded no rows at TP 1 (--make-vocab-size-divisible-by 1000), where TP 2
+    # would pad to 2000: --use-checkpoint-args takes its padded vocab (as Megatron-LM's); a
+    # --padded-vocab-size on the command line wins.
     argv = _flags(checkpoint, sp_model, tmp_path / "out", "--tensor-model-parallel-size", "2")
     rows = [eval_passkey.parse(argv + more, world_size=2).config.model.padded_vocab_size
-            for more in ([], ["--padded-vocab-size", str(TINY_VOCAB)])]
-    assert rows == [2 * TINY_VOCAB, TINY_VOCAB]
+            for more in ([], ["--padded-vocab-size", str(2 * TINY_VOCAB)])]
+    assert rows == [TINY_VOCAB, 2 * TINY_VOCAB]
 
 
 def test_cli_exits_2_without_a_traceback(checkpoint, sp_model, tmp_path):

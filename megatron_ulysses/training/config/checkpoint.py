@@ -215,14 +215,14 @@ def _validate_async(args, ctx: Context) -> None:
 
 
 # --use-checkpoint-args, as Megatron-LM's load_args_from_checkpoint: these come from the
-# checkpoint's saved args where the command line gives none (TP too, though a checkpoint loads at
-# any TP; the pipeline layout is taken only with --use-mp-args-from-checkpoint-args, as in
-# Megatron-LM) ...
+# checkpoint's saved args where the command line gives none (the padded vocab too: it depends on
+# TP, and a checkpoint loads at any TP; the TP and pipeline sizes are taken only with
+# --use-mp-args-from-checkpoint-args, as in Megatron-LM) ...
 CHECKPOINT_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
     "kv_channels", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "qk_layernorm",
-    "make_vocab_size_divisible_by", "tensor_model_parallel_size",
+    "make_vocab_size_divisible_by", "padded_vocab_size",
 )
 # ... and these over the command line's (Megatron-LM's force=True), a warning naming each
 # command-line value replaced.
