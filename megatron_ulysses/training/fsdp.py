@@ -107,18 +107,25 @@ def _bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in map(to_local_if_dtensor, tensors))
 
 
-def rank_bytes(model, optimizer) -> dict:
-    """This rank's bytes of parameters, gradients and Adam moments (the local shards of sharded
-    tensors): what the sharding strategy divides by DP x SP. Read after a step."""
+def gradient_bytes(model) -> int:
+    """This rank's bytes of gradients (its shards of sharded ones). Read after the backward:
+    megatron-core's mixed-precision optimizer frees the model's gradients in its step."""
+    if hasattr(model, "megatron_fsdp_dist_index"):  # Megatron-FSDP: its buffers hold them
+        return _bytes(_megatron_fsdp_buffers(model, "main_grad_buffer")[0])
+    return _bytes([local_grad(p) for p in model.parameters()
+                   if p.grad is not None or hasattr(p, "main_grad")])
+
+
+def rank_bytes(model, optimizer, gradients: int) -> dict:
+    """This rank's bytes of parameters and Adam moments (the local shards of sharded tensors),
+    read after a step, with its `gradient_bytes`: what the strategy divides by DP x SP."""
     moments = [value for state in optimizer_states(optimizer)
                for key, value in state.items() if key in ("exp_avg", "exp_avg_sq")]
-    if hasattr(model, "megatron_fsdp_dist_index"):  # Megatron-FSDP: its buffers hold them
-        params, grads = _megatron_fsdp_buffers(model, "model_weight_buffer", "main_grad_buffer")
-        params = params or list(model.parameters())  # no_shard: no weight buffer (H100 log)
-    else:
-        params = list(model.parameters())
-        grads = [local_grad(p) for p in params if p.grad is not None or hasattr(p, "main_grad")]
-    return {"parameters": _bytes(params), "gradients": _bytes(grads),
+    params = list(model.parameters())
+    if hasattr(model, "megatron_fsdp_dist_index"):
+        # no_shard keeps its weights outside its weight buffer (H100 log)
+        params = _megatron_fsdp_buffers(model, "model_weight_buffer")[0] or params
+    return {"parameters": _bytes(params), "gradients": gradients,
             "optimizer state": _bytes(moments)}
 
 
@@ -178,13 +185,27 @@ def shard_loaded_states(optimizer) -> None:
                     state[key] = DTensor.from_local(value, param.device_mesh, param.placements)
 
 
-def log_rank_bytes(model, optimizer, strategy: str) -> None:
-    """One line per rank: its measured bytes and what `strategy` shards."""
-    measured = rank_bytes(model, optimizer)
-    terms = ", ".join(SHARDED_TERMS[strategy]) or "nothing"
-    line = " | ".join(f"{name} {value}" for name, value in measured.items())
-    print(f" > rank {dist.get_rank()} bytes ({strategy}: {terms} sharded over DP x SP = "
-          f"{check_shard_group(model)}): {line}", flush=True)
+class RankBytesLog:
+    """One line per rank, once: its measured bytes and what `strategy` shards. The loop calls
+    `after_backward()` (gradients) and `after_step()` (the line) in each step."""
+
+    def __init__(self, model, optimizer, strategy: str):
+        self.model, self.optimizer, self.strategy = model, optimizer, strategy
+        self.gradients, self.logged = None, False
+
+    def after_backward(self) -> None:
+        if self.gradients is None:
+            self.gradients = gradient_bytes(self.model)
+
+    def after_step(self) -> None:
+        if self.logged:
+            return
+        self.logged = True
+        measured = rank_bytes(self.model, self.optimizer, self.gradients)
+        terms = ", ".join(SHARDED_TERMS[self.strategy]) or "nothing"
+        line = " | ".join(f"{name} {value}" for name, value in measured.items())
+        print(f" > rank {dist.get_rank()} bytes ({self.strategy}: {terms} sharded over DP x SP "
+              f"= {check_shard_group(self.model)}): {line}", flush=True)
 
 
 def local_grad(param) -> Optional[torch.Tensor]:

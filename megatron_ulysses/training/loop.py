@@ -21,7 +21,7 @@ from .chunks import model_chunks
 from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
-from .fsdp import log_rank_bytes, sharding_strategy
+from .fsdp import RankBytesLog, sharding_strategy
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
 from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
@@ -140,13 +140,15 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                                                             job_start))
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
-    saved, start = True, iteration
+    saved = True
+    strategy = sharding_strategy(config.performance)
+    shard_bytes = RankBytesLog(model, optimizer, strategy) if strategy else None
     while iteration < training.train_iters:
         hooks.before_step(iteration)
         batch = global_batch_size_at(consumed, training.batch_size_schedule,
                                      training.global_batch_size)
         loss, grad_norm, ok, num_zeros = _step(config, iteration, train_batches, built,
-                                               local_seq, batch)
+                                               local_seq, batch, shard_bytes)
         iteration += 1
         consumed += batch
         saved = False
@@ -156,8 +158,8 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                              optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
                              global_batch_size=batch)
         hooks.after_step(iteration, model)
-        if iteration == start + 1 and (strategy := sharding_strategy(config.performance)):
-            log_rank_bytes(model, optimizer, strategy)
+        if shard_bytes:
+            shard_bytes.after_step()
         if valid_batches is not None and training.evaluates_after(iteration):
             _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
         stop, reason = _stop_after(iteration, training, exit_request)
@@ -204,14 +206,15 @@ def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
 
 
 def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
-          global_batch: int):
+          global_batch: int, shard_bytes: RankBytesLog = None):
     """One optimizer step over `global_batch` samples -> (loss, grad norm, applied, zero
     gradients); a NaN / Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
     per_step = config.training.micro_batch_size * config.dims.dp
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,
-                          local_seq, num_microbatches=global_batch // per_step)
+                          local_seq, num_microbatches=global_batch // per_step,
+                          after_backward=shard_bytes and shard_bytes.after_backward)
     except NonFiniteError as error:
         save = config.checkpoint.save
         last = (f"the last checkpoint (--save {save}) is the one to resume from" if save

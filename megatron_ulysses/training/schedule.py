@@ -96,11 +96,11 @@ def check_finite(totals: torch.Tensor, model, check_grads: bool, check_loss: boo
 
 
 def train_step(data_iterator, model, optimizer, scheduler, training: TrainingConfig,
-               local_seq_length: int, num_microbatches: int = None):
+               local_seq_length: int, num_microbatches: int = None, after_backward=None):
     """One optimizer step over the global batch of `num_microbatches` micro batches (default
     the constant batch's; a batch-size ramp passes the current one); returns (loss, grad norm,
     update ok, number of zero gradients or None). Raises `NonFiniteError` before the update
-    (--check-for-nan-in-loss-and-grad)."""
+    (--check-for-nan-in-loss-and-grad). `after_backward()`, if given, runs before the update."""
     if num_microbatches is None:
         num_microbatches = training.num_microbatches
     for chunk in model_chunks(model):
@@ -111,6 +111,8 @@ def train_step(data_iterator, model, optimizer, scheduler, training: TrainingCon
     if training.check_for_nan_in_loss_and_grad:
         check_finite(totals, model, check_grads=not model_chunks(model)[0].config.fp16,
                      check_loss=training.rerun_mode != "disabled")
+    if after_backward is not None:
+        after_backward()
     with _timer(model, "optimizer", 1):
         ok, grad_norm, num_zeros = optimizer.step()
     if ok:  # the samples of this step (micro batch x pure DP is the constant batch's share)
