@@ -84,6 +84,7 @@ import harness
 from megatron_ulysses.backends import resolve_backend
 from megatron_ulysses.loss import masked_sum
 from megatron_ulysses.memory import activation_offload, tiling
+from megatron_ulysses.training.fsdp import torch_optimizers
 from megatron_ulysses.training.loop import initialize_distributed
 from megatron_ulysses.training.schedule import _per_token_loss
 
@@ -643,17 +644,6 @@ def analytic(shape, vocab: int, s: int, p: Profile, features: set,
 # Model and optimizer state.
 # ---------------------------------------------------------------------------------------------
 
-def _torch_optimizers(optimizer):
-    """The torch.optim optimizers inside megatron-core's (chained, mixed precision) or ours."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        yield optimizer
-    elif hasattr(optimizer, "chained_optimizers"):
-        for inner in optimizer.chained_optimizers:
-            yield from _torch_optimizers(inner)
-    elif hasattr(optimizer, "optimizer"):
-        yield from _torch_optimizers(optimizer.optimizer)
-
-
 def model_state(trainer) -> dict:
     """Bytes of weights, grad buffer, master weights and optimizer state after one update,
     against params x bytes per param."""
@@ -669,7 +659,7 @@ def model_state(trainer) -> dict:
             key, nbytes = _storage(param.main_grad)
             grads[key] = nbytes
     master, state, step_tensors = {}, {}, 0
-    for optimizer in _torch_optimizers(trainer.optimizer):
+    for optimizer in torch_optimizers(trainer.optimizer):
         for group in optimizer.param_groups:
             for param in group["params"]:
                 key, nbytes = _storage(param)

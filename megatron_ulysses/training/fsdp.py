@@ -139,9 +139,15 @@ def _megatron_fsdp_buffers(model, *names):
 
 
 def torch_optimizers(optimizer):
-    """The torch optimizer(s) in `optimizer`: itself, or inside megatron-core's wrapper(s)."""
-    for each in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        yield getattr(each, "optimizer", each)
+    """The torch optimizer(s) in `optimizer`: itself, or inside megatron-core's (chained, mixed
+    precision) wrapper(s)."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        yield optimizer
+    elif hasattr(optimizer, "chained_optimizers"):
+        for inner in optimizer.chained_optimizers:
+            yield from torch_optimizers(inner)
+    elif hasattr(optimizer, "optimizer"):
+        yield from torch_optimizers(optimizer.optimizer)
 
 
 def optimizer_states(optimizer):
