@@ -1327,6 +1327,84 @@ REFUSED_SETS = (
         ),
         why='a DeepSeek-V3 proxy: MLA, MoE, MTP and a custom pipeline layout',
     ),
+    RefusedSet(
+        'examples/academic_paper_scripts/sc21/run_table_1.sh',
+        argv=(
+            '--activations-checkpoint-method', 'uniform', '--tensor-model-parallel-size', '1',
+            '--pipeline-model-parallel-size', '1', '--micro-batch-size', '2',
+            '--global-batch-size', '4', '--num-layers', '2', '--hidden-size', '64',
+            '--num-attention-heads', '8', '--DDP-impl', 'torch', '--data-path', '{GPT2_DATA}',
+            '--vocab-file', '{VOCAB_FILE}', '--merge-file', '{MERGE_FILE}', '--log-interval', '1',
+            '--seq-length', '64', '--max-position-embeddings', '64', '--train-iters', '3',
+            '--lr-decay-iters', '320', '--lr', '0.0001', '--min-lr', '0.00001',
+            '--lr-decay-style', 'cosine', '--lr-warmup-fraction', '0.01', '--split', '969,30,1',
+            '--eval-iters', '1', '--eval-interval', '2', '--clip-grad', '1.0', '--fp16',
+            '--loss-scale', '8192',
+        ),
+        names=(
+            '--activations-checkpoint-method', '--DDP-impl',
+        ),
+        why="2021 flags Megatron-LM's parser no longer has (CONFIG.sh's MEGATRON_PARAMS, its "
+            "last model)",
+    ),
+    RefusedSet(
+        ft("gpt/gpt_static_inference_tp1_pp1_583m_logitsmatch"),
+        argv=(
+            '--tiktoken-pattern', 'v2', '--use-mcore-models', '--tokenizer-type', 'TikTokenizer',
+            '--tokenizer-model', '{CACHE}/tiktoken.json', '--auto-detect-ckpt-format',
+            '--max-tokens-to-oom', '3600000', '--inference-max-seq-length', '4096',
+            '--attention-backend', 'flash', '--use-checkpoint-args', '--micro-batch-size', '2',
+            '--no-load-optim', '--no-use-tokenizer-model-from-checkpoint-args',
+            '--timing-log-level', '0', '--load', '{CKPT}', '--distributed-backend', 'nccl',
+            '--log-interval', '1', '--transformer-impl', 'transformer_engine',
+            '--tensor-model-parallel-size', '1', '--pipeline-model-parallel-size', '1',
+            '--deterministic-mode', '--ckpt-format', 'torch_dist', '--bf16',
+            '--log-memory-to-tensorboard', '--log-num-zeros-in-grad',
+            '--log-validation-ppl-to-tensorboard', '--log-timers-to-tensorboard', '--num-layers',
+            '2', '--hidden-size', '64', '--num-attention-heads', '8', '--max-position-embeddings',
+            '64', '--seq-length', '64', '--temperature', '1.0', '--top_k', '1',
+            '--return-log-probs', '--num-tokens-to-generate', '30', '--flash-decode',
+            '--dist-ckpt-strictness', 'log_unexpected', '--output-path', '{CACHE}/output.json',
+            '--use-legacy-static-engine', '--prompts', 'Time travel to 2008, and go to a bar',
+            '--incoming-requests-per-sec', '-1',  # its prompt cut short
+        ),
+        names=(
+            '--inference-max-seq-length', '--temperature', '--top_k', '--num-tokens-to-generate',
+            '--output-path', '--prompts', '--incoming-requests-per-sec',
+        ),
+        why="an inference test (MODE: inference): its generation flags are Megatron-LM's "
+            "inference scripts'",
+    ),
+    RefusedSet(
+        ft("gpt/gpt_offline_inference_sync_tp1_pp1_dp8_583m_logitsmatch_zmq"),
+        argv=(
+            '--tiktoken-pattern', 'v2', '--use-mcore-models', '--tokenizer-type', 'TikTokenizer',
+            '--tokenizer-model', '{CACHE}/tiktoken.json', '--auto-detect-ckpt-format',
+            '--max-tokens-to-oom', '3600000', '--inference-max-seq-length', '4096',
+            '--attention-backend', 'flash', '--use-checkpoint-args', '--micro-batch-size', '2',
+            '--no-load-optim', '--no-use-tokenizer-model-from-checkpoint-args',
+            '--timing-log-level', '0', '--load', '{CKPT}', '--distributed-backend', 'nccl',
+            '--log-interval', '1', '--transformer-impl', 'inference_optimized',
+            '--sequence-parallel', '--tensor-model-parallel-size', '1',
+            '--pipeline-model-parallel-size', '1', '--deterministic-mode', '--ckpt-format',
+            'torch_dist', '--bf16', '--log-memory-to-tensorboard', '--log-num-zeros-in-grad',
+            '--log-validation-ppl-to-tensorboard', '--log-timers-to-tensorboard', '--num-layers',
+            '2', '--hidden-size', '64', '--num-attention-heads', '8', '--max-position-embeddings',
+            '64', '--seq-length', '64', '--temperature', '1.0', '--top_k', '1',
+            '--return-log-probs', '--num-tokens-to-generate', '30',
+            '--inference-dynamic-batching-buffer-size-gb', '20', '--dist-ckpt-strictness',
+            'log_unexpected', '--inference-ckpt-non-strict', '--output-path',
+            '{CACHE}/output.json', '--prompts', 'Time travel to 2008, and go to a bar',
+            '--incoming-requests-per-step', '32', '--use-flashinfer-fused-rope',
+            '--inference-logging-step-interval', '1', '--use-coordinator',  # prompt cut short
+        ),
+        names=(
+            '--transformer-impl', 'inference_optimized', '--use-coordinator',
+            '--use-flashinfer-fused-rope', '--inference-dynamic-batching-buffer-size-gb',
+        ),
+        why="an offline-inference test (examples/inference/offline_inference.py's flags) with "
+            "--transformer-impl inference_optimized",
+    ),
 )
 
 # The sets the test trains end to end (each a torchrun of 2 processes at SP 2, about a minute on

@@ -82,6 +82,11 @@ def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, na
       "--recompute-method", "block"], ["--recompute-activations", "full"]),
     (["--te-rng-tracker"], ["--te-rng-tracker", "CUDA"]),
     (["--padded-vocab-size", "0"], ["--padded-vocab-size must be >= 1"]),
+    # Megatron-LM's flag is named, not only the --ulysses-attention-backend te it implies (on
+    # CPU: TE missing or no CUDA; on a GPU with TE: --transformer-impl local)
+    (["--attention-backend", "unfused", "--transformer-impl", "local"],
+     ["--attention-backend unfused runs --ulysses-attention-backend te here",
+      "--ulysses-attention-backend te"]),
 ])
 def test_bad_combinations_are_one_message_naming_the_flag(argv, words):
     said = problem(BASE + argv)

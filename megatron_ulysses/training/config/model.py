@@ -341,17 +341,21 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
     attention) from each other and Megatron-LM's --attention-backend: TE's layers wherever TE
     and CUDA are there, TE's attention in them by default; every backend runs in TE's layers,
     te only there."""
+    # A backend set by Megatron-LM's --attention-backend is named by that flag in errors.
+    given = ""
     if args.attention_backend != "auto":
         ours = "local" if args.attention_backend == "local" else "te"
         require(args.ulysses_attention_backend in ("auto", ours),
                 f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
                 f"{ours}, not {args.ulysses_attention_backend}; drop one of the two")
         args.ulysses_attention_backend = ours
+        given = (f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
+                 f"{ours} here (drop it to get the default): ")
     try:  # te without Transformer Engine or CUDA fails here, not when the model is built
         if args.ulysses_attention_backend != "auto":
             resolve_backend(args.ulysses_attention_backend)
     except ValueError as error:
-        raise ConfigError(str(error)) from None
+        raise ConfigError(given + str(error)) from None
     if args.transformer_impl is None:
         args.transformer_impl = "transformer_engine" if te_available() and cuda else "local"
     if args.transformer_impl == "transformer_engine":
@@ -360,7 +364,7 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
         require(cuda, "--transformer-impl transformer_engine needs CUDA (Transformer Engine's "
                 "kernels); on CPU use --transformer-impl local")
     require(not (args.transformer_impl == "local" and args.ulysses_attention_backend == "te"),
-            "--ulysses-attention-backend te runs in Transformer Engine's layers: drop "
+            given + "--ulysses-attention-backend te runs in Transformer Engine's layers: drop "
             "--transformer-impl local, or use --ulysses-attention-backend sdpa or local")
     if args.ulysses_attention_backend == "auto":
         args.ulysses_attention_backend = ("te" if args.transformer_impl == "transformer_engine"

@@ -32,12 +32,20 @@ OUT_OF_SCOPE = (
      ("--muon-", "--lion-", "--qk-clip"), ("--sgd-momentum", "--no-use-layer-wise-param-layout")),
     ("RL", "use Megatron-LM's RL pipeline", ("--rl-", "--no-rl-", "--grpo-"),
      ("--langrl-env-config", "--perform-rl-step", "--pretrained-checkpoint", "--refit-method")),
-    ("inference", "this is a training script", ("--inference-", "--no-inference-"),
+    ("inference", "this is a training script (use Megatron-LM's inference scripts)",
+     ("--inference-", "--no-inference-", "--incoming-requests-", "--num-tokens-", "--prompt",
+      "--suspend-", "--coordinator-"),
      ("--cuda-graph-modules", "--cuda-graph-scope", "--decode-only-cuda-graphs",
       "--enable-chunked-prefill", "--max-tokens-to-oom", "--num-speculative-tokens",
       "--output-bert-embeddings", "--use-legacy-static-engine",
       "--use-same-sampling-seed-across-dp-ranks", "--flash-decode", "--mlp-chunks-for-prefill",
-      "--nccl-all-reduce-for-prefill", "--symmetric-ar-type")),
+      "--nccl-all-reduce-for-prefill", "--symmetric-ar-type",
+      # the flags of its inference scripts (megatron.inference.utils, examples/inference)
+      "--temperature", "--top_k", "--top_p", "--return-log-probs", "--top-n-logprobs",
+      "--model-provider", "--skip-prompt-log-probs", "--stop-words", "--output-path",
+      "--output-every-n-results", "--output-request-events", "--use-flashinfer-fused-rope",
+      "--no-record-throughput", "--termination-id", "--throughput-check-only",
+      "--drain-between-batches", "--batch-boundaries", "--use-coordinator", "--async-mode")),
     ("vision / multimodal", "the model is a text GPT", ("--dino-", "--img-", "--vision-"),
      ("--classes-fraction", "--data-per-class-fraction", "--head-lr-mult", "--iter-per-epoch",
       "--mask-factor", "--mask-type", "--no-data-sharding", "--num-channels", "--num-classes",
@@ -103,6 +111,12 @@ NOT_BUILT = {
     "--checkpoint-activations": "no longer valid in Megatron-LM either; use "
                                 "--recompute-activations, or --recompute-granularity and "
                                 "--recompute-method",
+    "--activations-checkpoint-method": "no longer valid in Megatron-LM either; use "
+                                       "--recompute-granularity full with --recompute-method",
+    "--activations-checkpoint-num-layers": "no longer valid in Megatron-LM either; use "
+                                           "--recompute-num-layers",
+    "--DDP-impl": "no longer valid in Megatron-LM either: data parallelism is megatron-core's "
+                  "DDP (--use-torch-fsdp2 or --use-megatron-fsdp shard it)",
     "--yaml-cfg": "YAML configs are not read here; give the flags on the command line",
     "--pipeline-model-parallel-layout": "custom pipeline layouts are not built here; use "
                                         "--pipeline-model-parallel-size with "
