@@ -349,13 +349,17 @@ def staged_save(root: str, iteration: int, final: str, needed_bytes):
         if not seen_here:
             raise SaveError(f"--save {root}: saving iteration {iteration} failed on another "
                             "rank (rank 0 reports why)") from None
+        needed = needed_bytes()
         try:
-            free = _size(shutil.disk_usage(root).free)
+            free_bytes = shutil.disk_usage(root).free
         except OSError:
-            free = "unknown"
+            free_bytes = None
+        if free_bytes is not None and free_bytes < needed and "No space left" not in cause:
+            cause = f"No space left on device ({cause})"  # torch's zip writer hides ENOSPC
+        free = "unknown" if free_bytes is None else _size(free_bytes)
         raise SaveError(
             f"--save {root}: saving iteration {iteration} failed: {cause}. The checkpoint needs "
-            f"about {_size(needed_bytes())}; {free} free there. The checkpoints already in --save "
+            f"about {_size(needed)}; {free} free there. The checkpoints already in --save "
             "are untouched (latest_checkpointed_iteration.txt names the last complete one): "
             "free space or fix the permissions, or give another --save, and resume with --load"
         ) from None
