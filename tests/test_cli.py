@@ -22,6 +22,7 @@ import sys
 import time
 from unittest import mock
 
+import launcher
 import plot_run
 import pytest
 import torch
@@ -43,12 +44,9 @@ ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*\| lm loss: (\S+) \|")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: (\S+) \|")
 
 
-def launch(nproc: int, *flags: str, run=RUN, **popen):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
-               *MODEL, *run, *flags]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, **popen)
+def launch(nproc: int, *flags: str, run=RUN):
+    """pretrain_gpt.py on `nproc` ranks as torchrun starts them (tests/launcher.py)."""
+    return launcher.pretrain(nproc, [*MODEL, *run, *flags])
 
 
 def losses(result) -> dict:

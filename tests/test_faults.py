@@ -331,8 +331,8 @@ def _namespaces_work() -> bool:
 @pytest.mark.skipif(not _namespaces_work(), reason="needs unshare --user --mount (to mount a "
                     "small tmpfs without root)")
 @pytest.mark.parametrize("fault, size, words", [
-    ("full", "3m", "[Errno 28] No space left on device"),
-    ("read-only", "50m", "[Errno 30] Read-only file system"),
+    ("full", "3m", "No space left on device"),
+    ("read-only", "50m", "Read-only file system"),
 ])
 def test_a_save_io_error_is_one_message_and_keeps_the_last_checkpoint(tmp_path, fault, size,
                                                                       words):
@@ -351,8 +351,9 @@ def test_a_save_io_error_is_one_message_and_keeps_the_last_checkpoint(tmp_path, 
     assert "rc=0" not in text
     errors = [line for line in text.splitlines() if "pretrain_gpt.py: error" in line]
     assert len(errors) == 1, text[-3000:]
-    assert errors[0].startswith(f"pretrain_gpt.py: error: --save {save}: saving iteration 4 "
-                                f"failed: {words}")
+    # a full disk: ENOSPC, or torch's zip writer's "unexpected pos" with the free space short
+    assert re.match(rf"pretrain_gpt.py: error: --save {re.escape(save)}: saving iteration 4 "
+                    rf"failed: (\[Errno \d+\] )?{words}", errors[0]), errors[0]
     assert re.search(r"The checkpoint needs about [\d.]+ MiB; [\d.]+ MiB free there", errors[0])
     assert "Traceback (most recent call last):\n  File \"" + str(REPO_ROOT) not in text
     assert sorted(os.listdir(out)) == [".lock", "iter_0000002", TRACKER]

@@ -28,14 +28,13 @@ import pickle
 import random
 import shutil
 import signal
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from distributed import spawn
+from launcher import pretrain
 
 SAVED_AT, GBS, TRAIN_ITERS = 5, 4, 7
 # The model of tests/test_cli.py's MODEL (GQA, RoPE, RMSNorm, SwiGLU, no biases).
@@ -456,17 +455,11 @@ def test_its_legacy_torch_format_is_refused_unread_naming_the_conversion(megatro
 
 
 def test_pretrain_gpt_resumes_it_at_sp_1_and_2_with_equal_losses(megatron_lm):
-    from conftest import REPO_ROOT
     from test_cli import losses
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-
     def run(*flags):
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   "--nproc-per-node=2", str(REPO_ROOT / "pretrain_gpt.py"), *RUN,
-                   "--load", str(megatron_lm[0]), "--no-load-optim", *flags]
-        return losses(subprocess.run(command, env=env, capture_output=True, text=True,
-                                     timeout=300))
+        return losses(pretrain(2, [*RUN, "--load", str(megatron_lm[0]), "--no-load-optim",
+                                   *flags]))
 
     sp1, sp2 = run(), run("--ulysses-sp-size", "2")
     assert sorted(sp1) == list(range(SAVED_AT + 1, TRAIN_ITERS + 1))

@@ -10,14 +10,12 @@ The parse tests are in-process (`parse_args(argv, world_size=2)`), so all sets c
 import contextlib
 import importlib.util
 import io
-import os
-import subprocess
-import sys
 
 import preprocess_data
 import pytest
 from conftest import CORPUS, REPO_ROOT
 from megatron_lm_args import REFUSED_SETS, TRAIN_RUNS, TRAIN_SETS, fill
+from launcher import pretrain
 from test_cli import launch, losses, validation
 
 from megatron_ulysses.training.arguments import ConfigError, build_parser, parse_args
@@ -166,10 +164,7 @@ def test_context_parallel_size_1_is_accepted_more_points_to_ulysses(size, accept
 
 
 def _torchrun(nproc: int, argv):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *argv]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    return pretrain(nproc, argv, timeout=600)
 
 
 @pytest.mark.parametrize("source", TRAIN_RUNS, ids=_id)

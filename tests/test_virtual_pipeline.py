@@ -15,17 +15,14 @@ interleaved 1F1B schedule over model chunks, on CPU over gloo.
 
 import dataclasses
 import functools
-import os
 import re
-import subprocess
-import sys
 import types
 import zlib
 
 import pytest
 import torch
-from conftest import REPO_ROOT
 from distributed import spawn
+from launcher import pretrain
 from test_cli import ITERATION, validation
 
 from megatron_ulysses import cpu_compat
@@ -200,11 +197,8 @@ def test_the_sync_funcs_follow_megatron_lms_flags(argv, chunks, expected):
 
 
 def _torchrun(nproc: int, *flags: str):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"), *MODEL,
-               "--log-interval", "1", "--num-workers", "0", "--log-params-norm", *flags]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    return pretrain(nproc, [*MODEL, "--log-interval", "1", "--num-workers", "0",
+                            "--log-params-norm", *flags])
 
 
 def _logged(result) -> dict:
