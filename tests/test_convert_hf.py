@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from conftest import REPO_ROOT
+from launcher import pretrain
 from test_cli import losses
 
 TOOL = str(REPO_ROOT / "tools" / "convert_hf.py")
@@ -129,15 +130,12 @@ def test_import_export_at_tp2_is_bitwise(hf_dir, tmp_path):
 
 def _train(nproc, checkpoint, *flags, data=("--mock-data",), model=("--use-checkpoint-args",)):
     # NullTokenizer adds its EOD after --vocab-size ids: VOCAB - 1 + 1 = the import's rows.
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={nproc}", str(REPO_ROOT / "pretrain_gpt.py"),
-               "--load", str(checkpoint), *model, "--finetune",
-               *data,
-               "--vocab-size", str(VOCAB - 1), "--seq-length", "64",
-               "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
-               "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
-               "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0", *flags]
-    return subprocess.run(command, env=_env(), capture_output=True, text=True, timeout=300)
+    return pretrain(nproc, [
+        "--load", str(checkpoint), *model, "--finetune", *data,
+        "--vocab-size", str(VOCAB - 1), "--seq-length", "64",
+        "--micro-batch-size", "2", "--global-batch-size", "2", "--lr", "1e-3",
+        "--train-iters", "2", "--log-interval", "1", "--eval-iters", "0",
+        "--num-workers", "0", "--attention-dropout", "0", "--hidden-dropout", "0", *flags])
 
 
 @pytest.fixture(scope="module")
