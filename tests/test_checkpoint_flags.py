@@ -5,12 +5,10 @@ and the parse-time rules (no-ops without --save, refusals naming the flag)."""
 
 import os
 import re
-import subprocess
-import sys
 
 import pytest
-from conftest import REPO_ROOT
 from distributed import spawn
+from launcher import pretrain
 from test_cli import MODEL, RUN, losses
 
 from megatron_ulysses.errors import ConfigError
@@ -18,9 +16,7 @@ from megatron_ulysses.training.arguments import build_parser, validate_args
 
 
 def _pretrain(*argv: str):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return subprocess.run([sys.executable, str(REPO_ROOT / "pretrain_gpt.py"), *argv],
-                          env=env, capture_output=True, text=True, timeout=300)
+    return pretrain(1, argv)
 
 
 def _run(*flags: str):

@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import errno
 import functools
+import inspect
 import json
 import math
 import os
@@ -321,6 +322,16 @@ def _saved_tokenizer(data) -> dict:
             else None}
 
 
+def _save_options(flags) -> dict:
+    """dist_checkpointing.save's options that megatron-core 0.16 lacks: the async strategy
+    (0.19 defaults to nvidia-resiliency-ext's "nvrx", a ModuleNotFoundError at the first async
+    save without it; ours is always megatron-core's own queue) and --verify-integrity."""
+    options = {"verify_integrity": True} if flags.verify_integrity else {}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        options["async_strategy"] = flags.async_strategy
+    return options
+
+
 def _checkpoint_bytes(root: str, state) -> int:
     """About what a save of `state` writes, for an out-of-space message: the last checkpoint's
     files in `root`, else the tensors' bytes (each once, whole; files add headers)."""
@@ -374,7 +385,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
             request = dist_checkpointing.save(
                 state, staging, sharded_strategy=saver.strategy(),
                 validate_access_integrity=validate, async_sharded_save=flags.async_save,
-                **({"verify_integrity": True} if flags.verify_integrity else {}))
+                **_save_options(flags))
             if request is not None:  # the write goes on in a helper; commit when it is done
                 request.add_finalize_fn(commit)
                 saver.schedule(request)
