@@ -1,4 +1,5 @@
-"""pretrain_gpt.py end to end, as a user runs it: torchrun, real preprocessed data, checkpoints.
+"""pretrain_gpt.py end to end, as a user runs it: its ranks as torchrun starts them (forked by
+tests/launcher.py), real preprocessed data, checkpoints.
 
 - SP = 1, SP = 2 and DP = 2 x SP = 2 give the same `lm loss` at every iteration (RoPE, GQA,
   packed documents with reset attention, a sequence length SP must pad).

@@ -1,4 +1,4 @@
-"""--use-torch-fsdp2 on CPU (gloo, fp32), through pretrain_gpt.py under torchrun: megatron-core's
+"""--use-torch-fsdp2 on CPU (gloo, fp32), through pretrain_gpt.py (tests/launcher.py): megatron-core's
 FSDP2 wrapper shards parameters, gradients and Adam moments over megatron-core's DP group, which
 is DP x SP.
 

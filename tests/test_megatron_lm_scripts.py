@@ -4,7 +4,7 @@ refused in one message naming every such flag, and a handful train end to end (o
 the losses of SP 1).
 
 The parse tests are in-process (`parse_args(argv, world_size=2)`), so all sets cost seconds; only
-`TRAIN_RUNS` start torchrun.
+`TRAIN_RUNS` start processes (tests/launcher.py).
 """
 
 import contextlib
@@ -163,17 +163,13 @@ def test_context_parallel_size_1_is_accepted_more_points_to_ulysses(size, accept
         assert "--context-parallel-size" in problem and "--ulysses-sp-size" in problem, problem
 
 
-def _torchrun(nproc: int, argv):
-    return pretrain(nproc, argv, timeout=600)
-
-
 @pytest.mark.parametrize("source", TRAIN_RUNS, ids=_id)
 def test_megatron_lm_set_trains_at_sp2(source, paths, tmp_path):
     argset = next(s for s in TRAIN_SETS if s.source == source)
     if _unmet(argset.needs):
         pytest.skip(f"needs {_unmet(argset.needs)}")
     # Megatron-LM's default --log-interval is 100: log each of the 3 iterations
-    run = _torchrun(2, fill(argset.argv, paths) + SP2 + ["--log-interval", "1"])
+    run = pretrain(2, fill(argset.argv, paths) + SP2 + ["--log-interval", "1"], timeout=600)
     got = losses(run)
     assert sorted(got) == [1, 2, 3], run.stdout[-1500:] + run.stderr[-1500:]
     if source != TRAIN_RUNS[0]:
@@ -181,7 +177,8 @@ def test_megatron_lm_set_trains_at_sp2(source, paths, tmp_path):
     # SP 2 trains the same model as SP 1 (its own checkpoint directory: --load would resume).
     sp1_ckpt = tmp_path / "ckpt_sp1"
     sp1_ckpt.mkdir()
-    expected = losses(_torchrun(1, fill(argset.argv, {**paths, "{CKPT}": str(sp1_ckpt)})))
+    expected = losses(pretrain(1, fill(argset.argv, {**paths, "{CKPT}": str(sp1_ckpt)}),
+                                timeout=600))
     assert got == pytest.approx(expected, rel=2e-6)
 
 

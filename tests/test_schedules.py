@@ -11,7 +11,7 @@
   calculators where the installed version has them, and closed-form values; the config errors.
 - The profiler writes a trace of the given steps; --manual-gc turns the collector off and on;
   --rerun-mode disabled skips the loss check.
-- One torchrun story: a ramp at SP 2 equals SP 1, and a resume from its mid-ramp checkpoint
+- One pretrain_gpt.py story: a ramp at SP 2 equals SP 1, and a resume from its mid-ramp checkpoint
   equals it.
 """
 
@@ -285,7 +285,7 @@ def test_profiler_traces_the_given_steps_and_manual_gc(tmp_path):
     assert {name for name in names if name.startswith("work-")} == {"work-1", "work-2"}
 
 
-# --- one torchrun story: a ramp at SP 2 = SP 1, and a resume mid-ramp ---------------------------
+# --- one pretrain_gpt.py story: a ramp at SP 2 = SP 1, and a resume mid-ramp -------------------
 
 def test_batch_ramp_at_sp2_equals_sp1_and_resumes_mid_ramp(tmp_path):
     flags = ["--mock-data", "--vocab-size", "256", "--train-samples", "28", "--eval-iters", "0",

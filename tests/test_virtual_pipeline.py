@@ -5,7 +5,7 @@ interleaved 1F1B schedule over model chunks, on CPU over gloo.
   PP 1's losses and grad norms: the same weights (set from each parameter's global name), the
   same micro batches.
 - Its checkpoint (Megatron-LM's "model0" / "model1" keys) resumes to the uninterrupted run's
-  digits (torchrun), and at PP 1 to them at PP 1's precision: the pipeline layout of a
+  digits (pretrain_gpt.py), and at PP 1 to them at PP 1's precision: the pipeline layout of a
   checkpoint need not match the run's.
 - --overlap-grad-reduce at PP 2 x VPP 2 x SP 2: the schedule starts each chunk's reduction
   (Megatron-LM's aligned grad_sync_func), bitwise the synchronous run's digits; the sync
@@ -196,7 +196,7 @@ def test_the_sync_funcs_follow_megatron_lms_flags(argv, chunks, expected):
                 [(wanted[name], chunk) for chunk in model_chunks(model)], (name, argv)
 
 
-def _torchrun(nproc: int, *flags: str):
+def _launch(nproc: int, *flags: str):
     return pretrain(nproc, [*MODEL, "--log-interval", "1", "--num-workers", "0",
                             "--log-params-norm", *flags])
 
@@ -216,11 +216,11 @@ def test_a_chunked_checkpoint_resumes_to_the_uninterrupted_runs_digits(tmp_path)
     layout)."""
     flags = ["--train-iters", "4", "--save-interval", "2", "--eval-interval", "2",
              "--eval-iters", "1"]
-    runs = [_torchrun(2, *VPP, *flags, "--save", str(tmp_path / "a")),
-            _torchrun(2, *VPP, *flags, "--exit-interval", "2", "--save", str(tmp_path / "b"))]
-    at_pp1 = _torchrun(1, *flags, "--load", str(tmp_path / "b"), "--exit-interval", "3")
-    runs.append(_torchrun(2, *VPP, *flags, "--load", str(tmp_path / "b"), "--save",
-                          str(tmp_path / "b")))
+    runs = [_launch(2, *VPP, *flags, "--save", str(tmp_path / "a")),
+            _launch(2, *VPP, *flags, "--exit-interval", "2", "--save", str(tmp_path / "b"))]
+    at_pp1 = _launch(1, *flags, "--load", str(tmp_path / "b"), "--exit-interval", "3")
+    runs.append(_launch(2, *VPP, *flags, "--load", str(tmp_path / "b"), "--save",
+                        str(tmp_path / "b")))
     straight, first, resumed = map(_logged, runs)
     assert list(straight) == [1, 2, 3, 4] and list(first) == [1, 2] and list(resumed) == [3, 4]
     assert {**first, **resumed} == straight
