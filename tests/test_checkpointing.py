@@ -617,6 +617,20 @@ def test_cli_reports_load_errors_as_one_message(tmp_path):
         "holds a pickled posix.system")
     assert not marker.exists()
 
+    # a HuggingFace model directory as --load: the conversion named, not a run from scratch
+    hf = tmp_path / "Llama-3.1-8B"
+    hf.mkdir()
+    (hf / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (hf / "model-00001-of-00004.safetensors").write_bytes(b"")
+    for extra in ([], ["--use-checkpoint-args"]):
+        result = _pretrain("--train-iters", "4", "--load", str(hf), *extra)
+        assert result.returncode == 2, result.stdout[-3000:] + result.stderr[-3000:]
+        assert _error(result) == (
+            f"pretrain_gpt.py: error: --load {hf} is a HuggingFace model directory (config.json "
+            "and its weights), not a checkpoint: convert it with `python tools/convert_hf.py "
+            f"import --hf-path {hf} --output CKPT`, then give --load CKPT (--use-checkpoint-args "
+            "takes its model flags)"), extra
+
 
 def _extra_state(state) -> dict:
     """A layer's `_extra_state` as Transformer Engine writes it: pickle.dumps of its FP8 state."""

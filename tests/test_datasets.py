@@ -95,9 +95,15 @@ def test_data_source_errors_name_flags(corpus_prefix, tokenizer, tmp_path):
     with pytest.raises(ValueError, match="--data-path.*--mock-data"):
         build_train_valid_test_datasets(tokenizer, SEQ_LEN, [1, 1, 1], data_path=[corpus_prefix],
                                         mock_data=True)
-    with pytest.raises(FileNotFoundError, match="--data-path prefixes without .bin/.idx"):
+    with pytest.raises(FileNotFoundError, match="--data-path prefixes without .bin/.idx.*"
+                       "build them with tools/preprocess_data.py"):
         build_train_valid_test_datasets(tokenizer, SEQ_LEN, [1, 1, 1],
                                         data_path=[str(tmp_path / "missing")])
+    with pytest.raises(FileNotFoundError) as error:  # the file's name given for the prefix
+        build_train_valid_test_datasets(tokenizer, SEQ_LEN, [1, 1, 1],
+                                        data_path=[corpus_prefix + ".bin"])
+    assert str(error.value).endswith(f"(give each prefix without its extension: "
+                                     f"['{corpus_prefix}'])")
 
 
 def test_sampler_splits_by_data_parallel_rank_only():

@@ -350,10 +350,11 @@ def parse_data_path(data_path: List[str], flag: str = "--data-path") -> Tuple:
                          f"positive, got {weights} (leave a prefix out to not read it)")
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
-        raise FileNotFoundError(
-            f"{flag} prefixes without .bin/.idx files: {missing} (build them with "
-            f"tools/preprocess_data.py --output-prefix)"
-        )
+        stems = [prefix[:-4] for prefix in missing if prefix.endswith((".bin", ".idx"))
+                 and IndexedDataset.exists(prefix[:-4])]
+        fix = (f"give each prefix without its extension: {stems}" if stems else
+               "build them with tools/preprocess_data.py --output-prefix")
+        raise FileNotFoundError(f"{flag} prefixes without .bin/.idx files: {missing} ({fix})")
     return blend
 
 

@@ -539,6 +539,7 @@ def read_common_state(root: str):
     no process group."""
     iteration = read_tracker(root)
     if iteration is None:
+        _refuse_hf_model(root)
         return None
     path = _checkpoint_path(root, iteration)
     megatron_lm_checkpoint.refuse_legacy_format(path)
@@ -555,6 +556,23 @@ def read_common_state(root: str):
                           f"megatron_ulysses reads format {FORMAT_VERSION} and Megatron-LM's "
                           "torch_dist checkpoints")
     return iteration, path, common
+
+
+def _refuse_hf_model(root: str) -> None:
+    """A HuggingFace model directory (config.json beside its weights) given as --load is one
+    message naming the conversion, not a run from scratch with a warning."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    if "config.json" in names and any(name.endswith((".safetensors", ".safetensors.index.json"))
+                                      or re.fullmatch(r"pytorch_model.*\.bin", name)
+                                      for name in names):
+        raise ConfigError(
+            f"--load {root} is a HuggingFace model directory (config.json and its weights), "
+            f"not a checkpoint: convert it with `python tools/convert_hf.py import --hf-path "
+            f"{root} --output CKPT`, then give --load CKPT (--use-checkpoint-args takes its "
+            "model flags)")
 
 
 CARRIED_COMMON_KEYS = ("hf_config",)  # common state a save keeps from the loaded checkpoint
