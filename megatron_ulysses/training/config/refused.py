@@ -108,6 +108,8 @@ NOT_BUILT = {
                 "(or --lr-warmup-iters / --lr-warmup-samples)",
     "--model-parallel-size": "no longer valid in Megatron-LM either; use "
                              "--tensor-model-parallel-size",
+    "--use-legacy-models": "no longer valid in Megatron-LM either: the model is megatron-core's "
+                           "GPTModel (drop the flag)",
     "--checkpoint-activations": "no longer valid in Megatron-LM either; use "
                                 "--recompute-activations, or --recompute-granularity and "
                                 "--recompute-method",
