@@ -87,7 +87,8 @@ def _connect() -> socket.socket:
 # --- the server, the agent and the ranks (forked) ---------------------------------------------
 
 def _serve(path: str) -> None:
-    """Import what every rank imports, then fork an agent per request."""
+    """Import what every rank imports, then fork an agent per request, until the pytest process
+    that started it is gone."""
     sys.path.insert(0, str(REPO_ROOT))
     import pretrain_gpt  # noqa: F401  (and through it megatron_ulysses' parser)
     import megatron_ulysses.training.loop  # noqa: F401  (torch, megatron-core)
@@ -95,9 +96,15 @@ def _serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path + ".tmp")
     listener.listen()
+    listener.settimeout(2.0)
     os.rename(path + ".tmp", path)
-    while True:
-        conn, _ = listener.accept()
+    parent = os.getppid()
+    while os.getppid() == parent:  # ends with the pytest process, however it ends
+        try:
+            conn, _ = listener.accept()
+        except socket.timeout:
+            continue
+        conn.setblocking(True)
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 2)
         while not message.endswith(b"\n"):
             message += conn.recv(1 << 20)
