@@ -354,8 +354,9 @@ def staged_save(root: str, iteration: int, final: str, needed_bytes):
             free_bytes = shutil.disk_usage(root).free
         except OSError:
             free_bytes = None
-        if free_bytes is not None and free_bytes < needed and "No space left" not in cause:
-            cause = f"No space left on device ({cause})"  # torch's zip writer hides ENOSPC
+        if free_bytes is not None and free_bytes < needed \
+                and not cause.startswith("[Errno 28]"):  # torch's zip writer can hide ENOSPC
+            cause = f"No space left on device ({cause})"
         free = "unknown" if free_bytes is None else _size(free_bytes)
         raise SaveError(
             f"--save {root}: saving iteration {iteration} failed: {cause}. The checkpoint needs "
