@@ -192,15 +192,16 @@ def shard_loaded_states(optimizer) -> None:
 
 
 class RankBytesLog:
-    """One line per rank, once: its measured bytes and what `strategy` shards. The loop calls
-    `after_backward()` (gradients) and `after_step()` (the line) in each step."""
+    """One line per rank, once: its measured bytes and what `strategy` (`sharding_strategy`)
+    shards; nothing under DDP (None). The loop calls `after_backward()` (gradients) and
+    `after_step()` (the line) in each step."""
 
-    def __init__(self, model, optimizer, strategy: str):
+    def __init__(self, model, optimizer, strategy: Optional[str]):
         self.model, self.optimizer, self.strategy = model, optimizer, strategy
-        self.gradients, self.logged = None, False
+        self.gradients, self.logged = None, strategy is None
 
     def after_backward(self) -> None:
-        if self.gradients is None:
+        if self.gradients is None and not self.logged:
             self.gradients = gradient_bytes(self.model)
 
     def after_step(self) -> None:

@@ -141,8 +141,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
 
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
-    strategy = sharding_strategy(config.performance)
-    shard_bytes = RankBytesLog(model, optimizer, strategy) if strategy else None
+    shard_bytes = RankBytesLog(model, optimizer, sharding_strategy(config.performance))
     while iteration < training.train_iters:
         hooks.before_step(iteration)
         batch = global_batch_size_at(consumed, training.batch_size_schedule,
@@ -158,8 +157,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
                              optimizer.get_loss_scale(), skipped=not ok, num_zeros=num_zeros,
                              global_batch_size=batch)
         hooks.after_step(iteration, model)
-        if shard_bytes:
-            shard_bytes.after_step()
+        shard_bytes.after_step()
         if valid_batches is not None and training.evaluates_after(iteration):
             _validate(iteration, valid_batches, model, training, local_seq, logger, hooks)
         stop, reason = _stop_after(iteration, training, exit_request)
@@ -206,7 +204,7 @@ def _progress_line(config: RunConfig, logger, iteration: int, consumed: int,
 
 
 def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: int,
-          global_batch: int, shard_bytes: RankBytesLog = None):
+          global_batch: int, shard_bytes: RankBytesLog):
     """One optimizer step over `global_batch` samples -> (loss, grad norm, applied, zero
     gradients); a NaN / Inf stops the run with what to resume from and what to change."""
     model, optimizer, scheduler = built
@@ -214,7 +212,7 @@ def _step(config: RunConfig, iteration: int, train_batches, built, local_seq: in
     try:
         return train_step(train_batches, model, optimizer, scheduler, config.training,
                           local_seq, num_microbatches=global_batch // per_step,
-                          after_backward=shard_bytes and shard_bytes.after_backward)
+                          after_backward=shard_bytes.after_backward)
     except NonFiniteError as error:
         save = config.checkpoint.save
         last = (f"the last checkpoint (--save {save}) is the one to resume from" if save
