@@ -7,9 +7,9 @@ pretrain_gpt.py *argv], capture_output=True, text=True)` returns. Per launch the
 agent (torchrun's part), which forks the ranks: each in its own session, with torchrun's
 environment (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR / MASTER_PORT,
 TORCHELASTIC_RUN_ID; OMP_NUM_THREADS 1 unless set), all writing to the caller's stdout and stderr
-pipes. When a rank fails the others get SIGTERM, then SIGKILL after GRACE_S; the status is 1 then
-(torchrun's), else 0. A rank runs `pretrain_gpt.main(argv)` and its atexit handlers, as a process
-that exits does. The server imports with the suite's environment: what a test changes in the
+pipes. When a rank fails the others get SIGTERM, then SIGKILL after torchrun's default
+--shutdown-timeout; the status is 1 then (torchrun's), else 0. A rank runs
+`pretrain_gpt.main(argv)` and its atexit handlers, as a process that exits does. The server imports with the suite's environment: what a test changes in the
 environment reaches the ranks, but not the server's imports. The tests of torchrun's own
 behaviour (its signals, its death: tests/test_faults.py) start the real one.
 """
@@ -26,9 +26,12 @@ import threading
 import time
 from pathlib import Path
 
+from distributed import free_port
+
+from megatron_ulysses.processes import TORCHRUN_SHUTDOWN_TIMEOUT_S
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = REPO_ROOT / "pretrain_gpt.py"
-GRACE_S = 30  # torchrun's default --shutdown-timeout... between SIGTERM and SIGKILL
 _server = {}
 
 
@@ -130,14 +133,14 @@ def _reap_any() -> bool:
 def _agent(conn: socket.socket, request: dict, fds) -> int:
     """torchrun's part: start the ranks, stop them all when one fails or the caller is gone,
     answer with the status."""
-    port = _free_port()
-    ranks = {}
+    port = free_port()
+    ranks = set()
     for rank in range(request["nproc"]):
         pid = os.fork()
         if pid == 0:
             conn.close()
             _rank(request, fds, rank, port)
-        ranks[pid] = rank
+        ranks.add(pid)
     for fd in fds:
         os.close(fd)
     status = _wait(ranks, conn)
@@ -148,20 +151,20 @@ def _agent(conn: socket.socket, request: dict, fds) -> int:
     return 0
 
 
-def _wait(ranks: dict, conn: socket.socket) -> int:
+def _wait(ranks: set, conn: socket.socket) -> int:
     """0 when every rank exits with 0; else 1, the others stopped as torchrun stops them."""
     conn.setblocking(False)
     failed, stop_at = False, None
     while ranks:
         pid, code = os.waitpid(-1, os.WNOHANG)
         if pid:
-            ranks.pop(pid, None)
+            ranks.discard(pid)
             failed = failed or code != 0
         else:
             time.sleep(0.05)
         gone = _caller_gone(conn)
         if (failed or gone) and stop_at is None and ranks:
-            stop_at = time.monotonic() + (0 if gone else GRACE_S)
+            stop_at = time.monotonic() + (0 if gone else TORCHRUN_SHUTDOWN_TIMEOUT_S)
             _signal(ranks, signal.SIGTERM)
         if stop_at is not None and time.monotonic() > stop_at:
             _signal(ranks, signal.SIGKILL)
@@ -177,7 +180,7 @@ def _caller_gone(conn: socket.socket) -> bool:
         return True
 
 
-def _signal(ranks: dict, signum: int) -> None:
+def _signal(ranks: set, signum: int) -> None:
     for pid in ranks:
         try:
             os.killpg(pid, signum)  # the rank leads its session
@@ -221,12 +224,6 @@ def _rank(request: dict, fds, rank: int, port: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code or 0)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 if __name__ == "__main__":
