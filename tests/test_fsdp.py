@@ -20,6 +20,7 @@ Megatron-FSDP needs CUDA: tests/gpu/test_fsdp_gpu.py. The flag rules: tests/test
 import re
 
 import pytest
+import torch
 from test_cli import launch, losses
 
 ITERS = 5
@@ -89,3 +90,64 @@ def test_rows_fsdp2_cannot_split_evenly_are_one_message():
     assert len(errors) == 1, result.stderr[-3000:]  # rank 0's
     assert "rows on this TP rank, not a multiple of data parallel x --ulysses-sp-size = 3" \
         in errors[0]
+
+
+class _TiledHead(torch.nn.Module):
+    """A body, then a head run as the tiled loss runs the output layer (`sequence_tiled_recompute`:
+    once per tile in the forward, again per tile in the backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, x, tiles):
+        from megatron_ulysses.memory.tiling import sequence_tiled_recompute
+
+        def loss(tile, _):
+            return self.head(tile).logsumexp(-1)
+
+        return sequence_tiled_recompute(loss, self.body(x), tiles, list(self.head.parameters()))
+
+
+def _tiled_head_gradients(rank, world_size, head_unit, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model, x = _TiledHead(), torch.randn(12, 8)
+    model(x, 1).sum().backward()  # unsharded, untiled: the reference
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    mesh = init_device_mesh("cpu", (world_size,))
+    for unit in ([model.body, model.head] if head_unit else [model.body]) + [model]:
+        fully_shard(unit, mesh=mesh)
+    model(x, 3).sum().backward()  # the same x on every rank: FSDP2's mean is the reference
+    errors = {}
+    for name, p in model.named_parameters():
+        got = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        errors[name] = (got - expected[name]).abs().max().item()
+    out[rank] = errors
+
+
+@pytest.mark.parametrize("head_unit", [False, True])
+def test_tiled_loss_output_layer_must_stay_in_fsdp2s_root_unit(head_unit):
+    """Why `fsdp.unit_modules` keeps the output layer out of FSDP2's units under tiled loss: as
+    its own unit, after the first tile's post-backward no hook fires for the others, and their
+    gradients are lost (if a torch release fixes that, this fails and the exclusion can go)."""
+    from distributed import spawn
+
+    errors = torch.multiprocessing.Manager().dict()
+    spawn(_tiled_head_gradients, 2, head_unit, errors)
+    worst = {name: max(errors[rank][name] for rank in (0, 1)) for name in errors[0]}
+    assert worst["body.weight"] < 1e-6, worst
+    assert (max(worst["head.weight"], worst["head.bias"]) > 1e-2) == head_unit, worst
+
+
+def test_fsdp2_units_keep_the_output_layer_in_the_root_under_tiled_loss():
+    from megatron.core import tensor_parallel
+    from megatron_ulysses.training.fsdp import unit_modules
+
+    tiled, plain = torch.nn.Module(), torch.nn.Module()
+    tiled.tiled_loss_shards, plain.tiled_loss_shards = 4, None
+    assert tensor_parallel.ColumnParallelLinear not in unit_modules(tiled)
+    assert tensor_parallel.ColumnParallelLinear in unit_modules(plain)
