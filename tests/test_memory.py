@@ -162,9 +162,11 @@ def test_tiled_mlp_matches_mlp(swiglu, num_tiles):
     assert sorted(fc1_rows) == sorted(expected_rows * 2)  # auto: ceil(20 / 16) = 2 tiles
 
 
-def test_tiled_mlp_accumulates_param_grads_through_autograd_per_tile():
-    # DDP's grad hooks sit on the same AccumulateGrad path; they must fire once per tile.
-    _, tiled = _mlp_pair(_config(), 3)
+def test_tiled_mlp_hands_each_param_grad_to_autograd_once():
+    """Each parameter's AccumulateGrad (where DDP's and Megatron-FSDP's hooks sit) runs once per
+    backward with the sum over tiles, as without tiling: Megatron-FSDP's hook copies each
+    gradient it sees into its buffer, so a call per tile would keep only the last tile's."""
+    plain, tiled = _mlp_pair(_config(), 3)
     calls = {n: 0 for n, _ in tiled.named_parameters()}
 
     def counter(name):
@@ -174,8 +176,50 @@ def test_tiled_mlp_accumulates_param_grads_through_autograd_per_tile():
         p.register_post_accumulate_grad_hook(counter(name))
     x = torch.randn(S, B, H, requires_grad=True)
     tiled(x)[0].sum().backward()
+    plain(x)[0].sum().backward()
     # fc2.bias is returned whole (not through the tiles) and unused here.
-    assert calls == {n: (0 if n == "linear_fc2.bias" else 3) for n in calls}
+    assert calls == {n: (0 if n == "linear_fc2.bias" else 1) for n in calls}
+    for (name, p), q in zip(plain.named_parameters(), tiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
+class _FusedWgradLinear(torch.autograd.Function):
+    """What Transformer Engine's linear does under gradient-accumulation fusion: the weight
+    gradient goes into `weight.main_grad`, `grad_added_to_main_grad` is set, and autograd gets
+    a placeholder (garbage) gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        weight.main_grad.add_(grad.flatten(0, -2).t() @ x.flatten(0, -2))
+        weight.grad_added_to_main_grad = True
+        return grad @ weight, torch.full_like(weight, float("nan"))
+
+
+def test_tiles_leave_transformer_engines_fused_weight_gradients_in_main_grad():
+    from megatron_ulysses.memory.tiling import sequence_tiled_recompute
+
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(4, 6), False
+    x = torch.randn(10, 2, 6, requires_grad=True)
+    seen = []
+    weight.register_post_accumulate_grad_hook(
+        lambda p: seen.append(p.grad_added_to_main_grad))
+    out = sequence_tiled_recompute(lambda t, _: _FusedWgradLinear.apply(t, weight), x, 3,
+                                   [weight])
+    out.square().sum().backward()
+    expected = x.detach().requires_grad_()
+    (expected @ weight.detach().t()).square().sum().backward()
+    w = weight.detach().requires_grad_()
+    (x.detach() @ w.t()).square().sum().backward()
+    torch.testing.assert_close(weight.main_grad, w.grad)  # every tile's, summed by TE's path
+    torch.testing.assert_close(x.grad, expected.grad)
+    assert seen == [True]  # one call; the hook skips the placeholder, as megatron-core's does
 
 
 def test_tiled_mlp_param_grads_flow_without_input_grad():

