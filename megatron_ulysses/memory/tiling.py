@@ -13,7 +13,9 @@ every data-parallel wrapper's gradient hook -- runs once per backward, as withou
 Megatron-FSDP's hook copies a gradient into its buffer (the last tile would win) and
 megatron-core DDP counts hook calls per bucket. Where Transformer Engine's gradient-accumulation
 fusion already added a tile's weight gradient to ``param.main_grad`` (``grad_added_to_main_grad``),
-its placeholder gradient is handed on instead of a sum.
+its placeholder gradient is handed on instead of a sum. The sums cost 4 bytes per parameter of
+``fn`` during its backward (under tiled loss the output layer's ``V/tp x h``: 2.1 GB for
+Llama-3.1-8B's vocabulary) where no such fusion takes the gradient.
 
 Under activation recompute the forward runs a second time, inside the backward pass, only so
 that backward can differentiate it. A caller whose output is then differentiated but never read
