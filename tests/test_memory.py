@@ -222,6 +222,38 @@ def test_tiles_leave_transformer_engines_fused_weight_gradients_in_main_grad():
     assert seen == [True]  # one call; the hook skips the placeholder, as megatron-core's does
 
 
+def test_tiles_add_to_ddps_main_grad_beside_a_tied_use():
+    """megatron-core DDP's parameters: each tile's gradient goes to `main_grad` and autograd gets
+    zeros, which DDP's hook (emulated: it adds `grad` unless `grad_added_to_main_grad`) adds with
+    the gradient of the weight's other use (a tied embedding's lookup), in one call."""
+    from megatron_ulysses.memory.tiling import sequence_tiled_recompute
+
+    weight = torch.nn.Parameter(torch.randn(4, 6))
+    weight.main_grad, weight.grad_added_to_main_grad = torch.zeros(4, 6), False
+    calls = []
+
+    def ddp_hook(p):
+        calls.append(p.grad.clone())
+        if not p.grad_added_to_main_grad:
+            p.main_grad.add_(p.grad)
+        p.grad = None
+
+    weight.register_post_accumulate_grad_hook(ddp_hook)
+    x = torch.randn(10, 2, 6)
+
+    def loss(w):
+        logits = sequence_tiled_recompute(lambda t, _: t @ w.t(), x, 3, [w]) \
+            if w is weight else x @ w.t()
+        return logits.square().sum() + (w[1] * 3).sum()  # the second use, outside the tiles
+
+    loss(weight).backward()
+    w = weight.detach().requires_grad_()
+    loss(w).backward()
+    torch.testing.assert_close(weight.main_grad, w.grad)
+    assert len(calls) == 1 and torch.equal(calls[0][1], torch.full((6,), 3.0))
+    assert torch.count_nonzero(calls[0][[0, 2, 3]]) == 0  # the tiles' part went to main_grad
+
+
 def test_tiled_mlp_param_grads_flow_without_input_grad():
     plain, tiled = _mlp_pair(_config(swiglu=True), 3)
     x = torch.randn(S, B, H)  # e.g. frozen embeddings: only parameters need grads

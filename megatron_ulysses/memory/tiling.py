@@ -7,15 +7,11 @@ input ``x`` ``[s, ...]``; backward recomputes each tile with grad enabled and
 differentiates it (``torch.autograd.grad``). Only one tile's intermediates (e.g.
 ``[s/n, b, ffn]`` or ``[s/n, b, V]``) ever exist at a time.
 
-The parameters are inputs of the autograd function: their tile gradients are summed here
-(float32) and handed to autograd once, so each parameter's ``AccumulateGrad`` -- and with it
-every data-parallel wrapper's gradient hook -- runs once per backward, as without tiling.
-Megatron-FSDP's hook copies a gradient into its buffer (the last tile would win) and
-megatron-core DDP counts hook calls per bucket. Where Transformer Engine's gradient-accumulation
-fusion already added a tile's weight gradient to ``param.main_grad`` (``grad_added_to_main_grad``),
-its placeholder gradient is handed on instead of a sum. The sums cost 4 bytes per parameter of
-``fn`` during its backward (under tiled loss the output layer's ``V/tp x h``: 2.1 GB for
-Llama-3.1-8B's vocabulary) where no such fusion takes the gradient.
+The parameters are inputs of the autograd function, and each one's tile gradients reach
+autograd as one gradient (``_TileGradients``), so its ``AccumulateGrad`` -- and with it every
+data-parallel wrapper's gradient hook -- runs once per backward, as without tiling:
+Megatron-FSDP's hook copies the gradient it sees into its buffer (with a call per tile the last
+tile's won) and megatron-core DDP counts hook calls per bucket.
 
 Under activation recompute the forward runs a second time, inside the backward pass, only so
 that backward can differentiate it. A caller whose output is then differentiated but never read
@@ -83,7 +79,7 @@ class _SequenceTiledRecompute(torch.autograd.Function):
         need_x = ctx.needs_input_grad[4]
         grad_x = torch.empty_like(x) if need_x else None
         params = [p for p, need in zip(ctx.params, ctx.needs_input_grad[5:]) if need]
-        sums = _ParamGradSums(params)
+        sums = _TileGradients(params)
         for tile in ctx.slices:
             x_tile = x[tile].detach().requires_grad_(need_x)
             with torch.enable_grad():
@@ -99,28 +95,57 @@ class _SequenceTiledRecompute(torch.autograd.Function):
                 *(next(delivered) if need else None for need in ctx.needs_input_grad[5:]))
 
 
-class _ParamGradSums:
-    """The parameters' gradients summed over tiles, in float32, delivered in their dtype; a
-    parameter whose gradient Transformer Engine accumulates into ``main_grad`` itself gets the
-    placeholder gradient it returned."""
+def _ddp_main_grad(param: torch.Tensor):
+    """megatron-core DDP's gradient-buffer view of ``param`` (its hook adds ``param.grad`` to it),
+    or None: no wrapper, FSDP2, or Megatron-FSDP (``__fsdp_param__``, whose ``main_grad`` is a
+    transient bucket)."""
+    main_grad = getattr(param, "main_grad", None)
+    if isinstance(main_grad, torch.Tensor) and not hasattr(param, "__fsdp_param__"):
+        return main_grad
+    return None
+
+
+class _TileGradients:
+    """Each parameter's gradients over the tiles, handed to autograd as one:
+
+    - Transformer Engine's gradient-accumulation fusion added each tile's to ``main_grad``
+      (``grad_added_to_main_grad``): its placeholder is handed on;
+    - megatron-core DDP: each tile's is added to its ``main_grad`` (in that buffer's precision, as
+      that fusion does) and autograd gets zeros, which DDP's hook adds with whatever else the
+      parameter's gradient holds (a tied embedding's lookup);
+    - otherwise (Megatron-FSDP, FSDP2, no wrapper): summed in float32, handed on in the
+      parameter's dtype (4 bytes per parameter during the backward).
+    """
+
+    IN_MAIN_GRAD = object()
 
     def __init__(self, params):
-        self.params, self.sums = params, [None] * len(params)
+        self.params, self.out = params, [None] * len(params)
 
     def add(self, grads) -> None:
         for i, (param, grad) in enumerate(zip(self.params, grads)):
             if grad is None:
                 continue
+            main_grad = _ddp_main_grad(param)
             if getattr(param, "grad_added_to_main_grad", False):
-                self.sums[i] = grad  # TE's placeholder; the tile is already in main_grad
-            elif self.sums[i] is None:
-                self.sums[i] = grad.float() if grad.dtype != torch.float32 else grad.clone()
+                self.out[i] = grad  # TE's placeholder; the tile is already in main_grad
+            elif main_grad is not None:
+                main_grad.add_(grad)
+                self.out[i] = self.IN_MAIN_GRAD
+            elif self.out[i] is None:
+                self.out[i] = grad.float() if grad.dtype != torch.float32 else grad.clone()
             else:
-                self.sums[i].add_(grad)
+                self.out[i].add_(grad)
 
     def result(self) -> list:
-        return [total if total is None or getattr(param, "grad_added_to_main_grad", False)
-                else total.to(param.dtype) for param, total in zip(self.params, self.sums)]
+        return [self._handed_on(param, out) for param, out in zip(self.params, self.out)]
+
+    def _handed_on(self, param, out):
+        if out is None or getattr(param, "grad_added_to_main_grad", False):
+            return out
+        if out is self.IN_MAIN_GRAD:
+            return param.new_zeros(()).expand_as(param)
+        return out.to(param.dtype)
 
 
 def sequence_tiled_recompute(

@@ -581,8 +581,8 @@ def _refuse_megatron_fsdp_optim(args) -> None:
     require(not (args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim"),
             "--data-parallel-sharding-strategy optim with --use-megatron-fsdp is not supported "
             "yet: on an H100 its first gradient norm was 1.5x DDP's at SP 2 and at DP 2 without "
-            "SP alike, and its losses drifted up to 2% (no_shard, optim_grads and optim_grads_params "
-            "matched DDP within 1e-4); use optim_grads or optim_grads_params")
+            "SP alike, and its losses drifted up to 2% (no_shard, optim_grads and "
+            "optim_grads_params matched DDP within 1e-4); use optim_grads or optim_grads_params")
 
 
 def raise_not_wired(flags: str, why: str) -> None:
