@@ -12,6 +12,7 @@ Both reduce gradients as DDP does here: summed over DP x SP, then divided by the
 token count (`finalize_model_grads` calls `scale_gradients`), so the losses equal DDP's.
 """
 
+import inspect
 from typing import Optional
 
 import torch
@@ -19,9 +20,6 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.distributed import TorchFullyShardedDataParallel
-from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.utils import to_local_if_dtensor
 
 from .. import parallel_state as ps
@@ -78,9 +76,10 @@ def unit_modules(module) -> set:
     hooks do not follow: the tiles' weight gradients are lost (tests/test_fsdp.py; on an H100
     the losses drifted 4% from DDP's). The root unit stays unsharded through the backward and
     reduce-scatters once, at its end."""
-    units = {TransformerLayer, LanguageModelEmbedding, RotaryEmbedding}
-    if not any(getattr(sub, "tiled_loss_shards", None) is not None for sub in module.modules()):
-        units.add(tensor_parallel.ColumnParallelLinear)
+    units = set(inspect.signature(TorchFullyShardedDataParallel.__init__)
+                .parameters["sub_modules_to_wrap"].default)
+    if any(getattr(sub, "tiled_loss_shards", None) is not None for sub in module.modules()):
+        units.discard(tensor_parallel.ColumnParallelLinear)
     return units
 
 
