@@ -121,19 +121,19 @@ class _TileGradients:
 
     def __init__(self, params):
         self.params, self.out = params, [None] * len(params)
+        self.main_grads = [_ddp_main_grad(param) for param in params]
 
     def add(self, grads) -> None:
-        for i, (param, grad) in enumerate(zip(self.params, grads)):
+        for i, (param, main_grad, grad) in enumerate(zip(self.params, self.main_grads, grads)):
             if grad is None:
                 continue
-            main_grad = _ddp_main_grad(param)
             if getattr(param, "grad_added_to_main_grad", False):
                 self.out[i] = grad  # TE's placeholder; the tile is already in main_grad
             elif main_grad is not None:
                 main_grad.add_(grad)
                 self.out[i] = self.IN_MAIN_GRAD
             elif self.out[i] is None:
-                self.out[i] = grad.float() if grad.dtype != torch.float32 else grad.clone()
+                self.out[i] = grad.to(torch.float32, copy=True)
             else:
                 self.out[i].add_(grad)
 
