@@ -27,7 +27,7 @@ PROG = "pretrain_gpt.py"
 def _report_data_error(error: Exception, config) -> int:
     """A bad batch is found only by the ranks that read it (one data-parallel replica, say):
     the first rank of each such model replica says it; torchrun then stops the other ranks."""
-    from megatron_ulysses import parallel_state as ps
+    from megatron_ulysses.sp import parallel_state as ps
 
     first_of_replica = True
     try:

@@ -27,7 +27,7 @@ an even case with ceil(H/P) heads per rank (28/4@7 next to 28/4@8) shows the slo
 what that even layout's ranks do. Command (GPU):
     python3 bench/attention_overhead.py --uneven 28/4@7,28/4@8,28/4@14,32/8@8,32/8@3,40/8@16 \
         --json $OUT/uneven.json
-CPU smoke test (tests/test_bench_smoke.py):
+CPU smoke test (tests/integration/test_bench_smoke.py):
     python bench/attention_overhead.py --uneven 7/7@4,28/4@8 --seqs 64 --head-dim 8 \
         --backends sdpa,local --warmup 0 --iters 1 --rounds 1
 """
@@ -70,7 +70,7 @@ def check_te(config, tol=2e-2):
     (global cu_seqlens over [b*s]); outputs and q/k/v grads. Returns {case: max rel err}."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from megatron_ulysses.attention import UlyssesAttention
+    from megatron_ulysses.sp.attention import UlyssesAttention
 
     s, b = 2048, 2
     heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
@@ -201,8 +201,8 @@ def parse_uneven_cases(text: str) -> list:
 def rank_attention_runs(config, backend, layout, s, d, dtype):
     """{(H_r, kv repeats): fwd+bwd of one SP rank's attention with those heads} for every
     distinct rank of `layout`, on `s` tokens, plus {rank: its key}."""
-    from megatron_ulysses.backends import build_backend_attention
-    from megatron_ulysses.head_layout import expand_kv
+    from megatron_ulysses.sp.backends import build_backend_attention
+    from megatron_ulysses.sp.head_layout import expand_kv
 
     runs, keys = {}, {}
     for rank in range(layout.sp_size):
@@ -227,7 +227,7 @@ def rank_attention_runs(config, backend, layout, s, d, dtype):
 
 def uneven_rows(args, backends) -> list:
     """Per case, sequence length and backend: every SP rank's attention time (see docstring)."""
-    from megatron_ulysses.head_layout import HeadLayout
+    from megatron_ulysses.sp.head_layout import HeadLayout
     from megatron_ulysses.training.model import transformer_config
 
     dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
@@ -266,7 +266,7 @@ def uneven_rows(args, backends) -> list:
 def usable_backends(text: str) -> list:
     """The comma-separated backends that can run here: te with TE and CUDA, flash with
     flash-attn-4 and CUDA (each left out with a line saying so)."""
-    from megatron_ulysses.backends import flash_import_error, te_available
+    from megatron_ulysses.sp.backends import flash_import_error, te_available
 
     cuda = torch.cuda.is_available()
     missing = {"te": not (te_available() and cuda),
@@ -317,8 +317,8 @@ def main():
     if not torch.cuda.is_available():
         raise SystemExit("attention_overhead.py needs a GPU")
 
-    from megatron_ulysses.attention import UlyssesAttention
-    from megatron_ulysses.backends import te_available
+    from megatron_ulysses.sp.attention import UlyssesAttention
+    from megatron_ulysses.sp.backends import te_available
     from megatron_ulysses.training.loop import initialize_distributed
     from megatron_ulysses.training.model import transformer_config
 

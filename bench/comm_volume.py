@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import harness
-from megatron_ulysses import parallel_state as ps
+from megatron_ulysses.sp import parallel_state as ps
 from megatron_ulysses.training.loop import initialize_distributed
 from megatron_ulysses.training.model import build_model, transformer_config
 from megatron_ulysses.training.schedule import forward_step

@@ -4,7 +4,7 @@ Backends, each on the same tensors q `[s, 1, H, d]`, k, v `[s, 1, G, d]` (bf16 o
     fa4         flash_attn.cute.flash_attn_func (flash-attn-4, CuTe-DSL; on Hopper its
                 flash_fwd_sm90 / flash_bwd_sm90 kernels), GQA native, on the [1, s, H, d] view
     fa4-det     the same with deterministic=True (only its backward differs: fwd+bwd rows only)
-    te          megatron_ulysses.backends.TEAttention, the trainer's `te` backend: Transformer
+    te          megatron_ulysses.sp.backends.TEAttention, the trainer's `te` backend: Transformer
                 Engine DotProductAttention, sbhd, GQA native; pinned to TE's fused (cuDNN) backend
                 (NVTE_FLASH_ATTN=0), which it picks in our runs, where no flash-attn is installed
     sdpa-cudnn  torch SDPA with enable_gqa=True (backends.SDPAAttention's call) pinned to cuDNN
@@ -29,7 +29,7 @@ Writes $OUT/flash_attention.json and $OUT/flash_attention.md (OUT defaults to ./
 command (after the carry calls of bench/prepare_flash4.sh):
     . .te6/install_te.sh && . .fa2/install_fa4.sh && export PYTHONPATH=$PWD:$PYTHONPATH && \
     PYTHONUNBUFFERED=1 python3 bench/flash_attention.py 2>&1 | tee $OUT/flash_attention.log
-`--dry-run` lists the cases. CPU smoke test (tests/test_flash_attention_bench.py):
+`--dry-run` lists the cases. CPU smoke test (tests/integration/test_flash_attention_bench.py):
     python bench/flash_attention.py --backends sdpa-math --shapes 4/2/8 --seqs 64 --check-seq 64
 """
 
@@ -102,7 +102,7 @@ def fa4_attention(deterministic: bool):
 def build_backends(names, heads, groups, d) -> tuple:
     """({name: attend(q, k, v)}, {name: error}) for this shape; a backend that cannot be built
     (not installed, no GPU) goes to the errors."""
-    from megatron_ulysses.backends import TEAttention
+    from megatron_ulysses.sp.backends import TEAttention
 
     variants = sdpa_gqa_variants(None, None, None, heads // groups)
     makers = {

@@ -50,9 +50,10 @@ from megatron.core.models.gpt import GPTModel, gpt_layer_specs
 from megatron.core.transformer import TransformerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
-from megatron_ulysses import cpu_compat, rng
-from megatron_ulysses import parallel_state as ps
-from megatron_ulysses.backends import te_available
+from megatron_ulysses import cpu_compat
+from megatron_ulysses.sp import rng
+from megatron_ulysses.sp import parallel_state as ps
+from megatron_ulysses.sp.backends import te_available
 from megatron_ulysses.data.sharding import shard_for_sp_rank
 from megatron_ulysses.training.arguments import padded_vocab_size, parse_args
 from megatron_ulysses.training.config.performance import PerformanceConfig, transformer_kwargs

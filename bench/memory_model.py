@@ -39,7 +39,7 @@ attention scores: the local backend's [b, H, s, s] probabilities and its [s, s] 
 flash / fused attention (te, sdpa) has none). The analytic model (`layer_terms`,
 `outside_terms`, `apply_features`) derives each term from the shape (h hidden, ffn, H heads,
 G kv heads, d head dim, e bytes per element) and what megatron-core's modules save; it is
-checked exactly on CPU (tests/test_memory_model.py) for the local and sdpa backends; for TE
+checked exactly on CPU (tests/integration/test_memory_model.py) for the local and sdpa backends; for TE
 (norms fused into the qkv / fc1 GEMMs, fused RoPE and SwiGLU, TE's fused cross entropy) it is
 a prediction from their sources, which the GPU run confirms or not (ratio column).
 
@@ -54,7 +54,7 @@ which term; model state) and --json {versions, args, shape, profile, rows, fits,
 
 Command (H200; environment in bench/RESULTS.md, "Setup"; s = 8192 and 16384, ~1 min):
     python3 bench/memory_model.py --json $OUT/memory.json
-CPU smoke test (tests/test_memory_model.py; --offload-min-bytes 0 because the tiny model's layer
+CPU smoke test (tests/integration/test_memory_model.py; --offload-min-bytes 0 because the tiny model's layer
 inputs are under the offload's 1 MiB threshold):
     python3 bench/memory_model.py --preset tiny --backend local --seq 64 --offload-min-bytes 0
 
@@ -81,8 +81,8 @@ from typing import Optional
 import torch
 
 import harness
-from megatron_ulysses.backends import resolve_backend
-from megatron_ulysses.loss import masked_sum
+from megatron_ulysses.sp.backends import resolve_backend
+from megatron_ulysses.sp.loss import masked_sum
 from megatron_ulysses.memory import activation_offload, tiling
 from megatron_ulysses.training.fsdp import torch_optimizers
 from megatron_ulysses.training.loop import initialize_distributed
@@ -446,7 +446,7 @@ class Profile:
     rope_fused: bool     # TE's fused RoPE (saves the shared frequencies only)
     swiglu_fused: bool   # megatron-core's bias_swiglu (saves the fc1 output only)
     cross_entropy: str   # "te" (fused, grad in place in the logits) or "unfused"
-    verified: bool       # terms checked: on CPU by tests/test_memory_model.py (local, sdpa),
+    verified: bool       # terms checked: on CPU by tests/integration/test_memory_model.py (local, sdpa),
                          # te on the H200 (bench/results/memory_model.json, 2026-12-04)
 
     @classmethod

@@ -47,7 +47,7 @@ Command (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/mfu.py --warmup 1 --iters 2 --json $OUT/mfu.json
 The flash variants need flash-attn-4 (bench/prepare_flash4.sh's carry folders; without it their
 rows record the ConfigError): `. .te6/install_te.sh && . .fa2/install_fa4.sh && ...` first.
-CPU smoke test (tests/test_bench_smoke.py):
+CPU smoke test (tests/integration/test_bench_smoke.py):
     python3 bench/mfu.py --preset tiny --backend local --seqs 64 --tokens-per-step 128 \
         --variants stock,ours --iters 1
 """
@@ -57,7 +57,7 @@ import math
 import time
 
 import harness
-from megatron_ulysses.backends import resolve_backend
+from megatron_ulysses.sp.backends import resolve_backend
 from megatron_ulysses.training.loop import initialize_distributed
 
 FLASH = ("--ulysses-attention-backend", "flash")

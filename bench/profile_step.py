@@ -19,7 +19,7 @@ the categories). --trace writes the chrome trace.
 
 Command (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/profile_step.py --seq 32768 --json $OUT/profile.json
-CPU smoke test (tests/test_bench_smoke.py):
+CPU smoke test (tests/integration/test_bench_smoke.py):
     python3 bench/profile_step.py --preset tiny --backend local --seq 64
 """
 
@@ -33,7 +33,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import harness
-from megatron_ulysses.backends import resolve_backend
+from megatron_ulysses.sp.backends import resolve_backend
 from megatron_ulysses.training.loop import initialize_distributed
 
 # (category, substrings of a kernel or op name, lowercase). First match wins, so the order is:

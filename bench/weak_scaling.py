@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import harness
-from megatron_ulysses import parallel_state as ps
+from megatron_ulysses.sp import parallel_state as ps
 from megatron_ulysses.training.loop import initialize_distributed
 
 

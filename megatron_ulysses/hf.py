@@ -29,7 +29,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .vocab import padded_vocab_size
+from .data.vocab import padded_vocab_size
 
 Tensor = torch.Tensor
 

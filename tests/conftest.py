@@ -13,21 +13,25 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 CORPUS = REPO_ROOT / "examples" / "data" / "corpus.jsonl"
 TINY_VOCAB = 1000
 sys.path.insert(0, str(REPO_ROOT / "tools"))
-sys.path.insert(0, str(REPO_ROOT / "tests"))  # tests/gpu imports tests/distributed.py
+sys.path.insert(0, str(REPO_ROOT / "tests"))  # `from conftest import REPO_ROOT`
+sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))  # `from distributed import spawn`
 # Every process the tests start skips the shutdown garbage collection (fast_exit/sitecustomize.py)
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    filter(None, [str(REPO_ROOT / "tests" / "fast_exit"), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
+    str(REPO_ROOT / "tests" / "helpers" / "fast_exit"), os.environ.get("PYTHONPATH")]))
+TIERS = ("unit", "integration", "gpu")  # each tier's folder; its tests get its marker
 
 
 def pytest_collection_modifyitems(config, items):
-    """tests/gpu (the GPU suite, tests/gpu/run.sh) is skipped as a whole without CUDA."""
+    """Each test gets its tier's marker (`-m unit`); tests/gpu (the GPU suite, tests/gpu/run.sh)
+    is skipped as a whole without CUDA."""
     import torch
 
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="GPU suite: needs CUDA (run tests/gpu/run.sh on a GPU)")
     for item in items:
-        if "tests/gpu/" in str(item.fspath).replace("\\", "/"):
+        tier = Path(str(item.fspath)).relative_to(REPO_ROOT / "tests").parts[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        if tier == "gpu" and not torch.cuda.is_available():
             item.add_marker(skip)
 
 

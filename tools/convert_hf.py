@@ -172,7 +172,7 @@ def _worker(rank: int, world: int, port: int, fn, args) -> None:
 def _teardown() -> None:
     import torch.distributed as dist
 
-    from megatron_ulysses import parallel_state as ps
+    from megatron_ulysses.sp import parallel_state as ps
 
     if ps.is_initialized():
         ps.destroy_model_parallel()
@@ -210,7 +210,7 @@ def _import_rank(argv, files, hf_config, model_args, output) -> None:
     from megatron.core import parallel_state as mpu
 
     from megatron_ulysses.training.arguments import padded_vocab_size
-    from megatron_ulysses.training.checkpointing import save_checkpoint
+    from megatron_ulysses.training.checkpoint.save import save_checkpoint
 
     tp = int(argv[argv.index("--tensor-model-parallel-size") + 1])
     config = _parse(argv, tp)
@@ -244,7 +244,7 @@ def _import_rank(argv, files, hf_config, model_args, output) -> None:
 
 
 def import_hf(args) -> None:
-    from megatron_ulysses.training.checkpointing import TRACKER
+    from megatron_ulysses.training.checkpoint.state import TRACKER
 
     if args.pipeline_model_parallel_size != 1:
         raise ConversionError(f"--pipeline-model-parallel-size {args.pipeline_model_parallel_size}"
@@ -284,7 +284,7 @@ def _export_rank(argv, model_args, hf_config, architecture, output) -> None:
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from megatron_ulysses.training.checkpointing import load_checkpoint
+    from megatron_ulysses.training.checkpoint.load import load_checkpoint
 
     tp = int(argv[argv.index("--tensor-model-parallel-size") + 1])
     config = _parse(argv, tp)
@@ -311,7 +311,7 @@ def _export_rank(argv, model_args, hf_config, architecture, output) -> None:
 
 
 def export_hf(args) -> None:
-    from megatron_ulysses.training.checkpointing import read_common_state
+    from megatron_ulysses.training.checkpoint.load import read_common_state
 
     _check_export_output(args)
     found = read_common_state(args.load)
@@ -345,7 +345,7 @@ def export_hf(args) -> None:
         raise ConversionError(f"--load {path}: {error}") from None
     tokenizer_files = _tokenizer_files(args.tokenizer_dir)
     # Its TP (each rank's share fits where it trained) and PP 1 (the pipeline layout need not
-    # match: `checkpointing._LAYOUT_ARGS`; --use-checkpoint-args takes no PP).
+    # match: `training.checkpoint.state.LAYOUT_ARGS`; --use-checkpoint-args takes no PP).
     tp = saved["tensor_model_parallel_size"]
     argv = ["--load", args.load, "--use-checkpoint-args", "--finetune", "--vocab-size",
             str(vocab), "--tensor-model-parallel-size", str(tp)] + _RUN

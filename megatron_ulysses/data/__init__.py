@@ -1,1 +1,2 @@
-"""Data pipeline: tokenizers, megatron-core GPT datasets and Ulysses sequence sharding."""
+"""Data pipeline: tokenizers, vocab padding, megatron-core GPT datasets and Ulysses sequence
+sharding."""

@@ -9,7 +9,7 @@ import functools
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from .. import cpu_compat
-from .. import parallel_state as ps
+from ..sp import parallel_state as ps
 from .datasets import build_data_iterator
 from .sharding import get_batch_for_sp_rank
 from .tokenizers import padding_id

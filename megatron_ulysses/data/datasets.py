@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import numpy
 import torch
 
-from ..processes import helpers_keep_sigterm_blocked
+from ..training.processes import helpers_keep_sigterm_blocked
 
 SPLIT_NAMES = ("train", "valid", "test")
 

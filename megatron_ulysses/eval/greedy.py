@@ -26,7 +26,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from .. import cpu_compat
-from .. import parallel_state as ps
+from ..sp import parallel_state as ps
 from ..data.sharding import get_batch_for_sp_rank
 from ..data.tokenizers import padding_id
 from .prompt import Prompt

@@ -6,7 +6,7 @@ several lengths (`prompt`); the score is how often the model's greedy answer is 
 --output-dir) into a `Plan`, checking everything before any process group exists: the trainer's
 rules at every length, the checkpoint, the tokenizer and every prompt. `run` builds the model as
 the trainer does (`training.model.build_model`), loads the weights as --finetune does
-(`training.checkpointing.load_checkpoint`), answers every trial, and on rank 0 prints the table
+(`training.checkpoint.load.load_checkpoint`), answers every trial, and on rank 0 prints the table
 and writes DIR/passkey.json and the heat map DIR/passkey.png (`results`).
 """
 
@@ -21,15 +21,16 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from .. import parallel_state as ps
+from ..sp import parallel_state as ps
 from ..data.tokenizers import build_tokenizer_from
 from ..errors import ConfigError
 from ..training import arguments
-from ..training.checkpointing import load_checkpoint, read_tracker
+from ..training.checkpoint.load import load_checkpoint
+from ..training.checkpoint.state import read_tracker
 from ..training.logging import print_rank_0
 from ..training.loop import initialize_distributed
 from ..training.model import build_model, transformer_config
-from ..vocab import model_vocab_size
+from ..data.vocab import model_vocab_size
 from .greedy import predict
 from .prompt import PromptBuilder, make_key, too_short
 from .results import format_table, summarize, write_results

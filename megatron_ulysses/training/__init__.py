@@ -1,1 +1,2 @@
-"""Training: arguments, loop, checkpointing, logging, and the CPU-compat shim."""
+"""Training: arguments and config sections, the loop and schedule, model and optimizer
+builders, checkpoints (`checkpoint/`), logging and the rank's helper processes."""

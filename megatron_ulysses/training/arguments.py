@@ -12,7 +12,7 @@ import os
 import torch
 
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
-from ..vocab import padded_vocab_size  # noqa: F401 (re-exported)
+from ..data.vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
 from .config import (bounds, checkpoint, compat, data, fusions, grad_buckets, logging, memory,
                      model, optimizer, parallel, performance, refused, training)

@@ -71,7 +71,7 @@ def run_distributed(prog: str, body, reporters=None) -> int:
 
     import torch.distributed as dist
 
-    from .. import parallel_state as ps
+    from ..sp import parallel_state as ps
     from .arguments import ConfigError
 
     reporters = {ConfigError: lambda error: report_error(prog, error), **(reporters or {})}

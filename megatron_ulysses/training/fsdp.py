@@ -22,7 +22,7 @@ from megatron.core import tensor_parallel
 from megatron.core.distributed import TorchFullyShardedDataParallel
 from megatron.core.utils import to_local_if_dtensor
 
-from .. import parallel_state as ps
+from ..sp import parallel_state as ps
 from ..errors import ConfigError
 
 # What each --data-parallel-sharding-strategy shards over DP x SP (Megatron-LM's meaning).
@@ -73,7 +73,7 @@ def unit_modules(module) -> set:
     """The module classes FSDP2 makes units of: megatron-core's (its TE spec's output layer
     too), but under tiled loss the output layer stays in the root unit. The tiled loss calls it
     once per tile in the forward and again per tile inside its backward, which an FSDP2 unit's
-    hooks do not follow: the tiles' weight gradients are lost (tests/test_fsdp.py; on an H100
+    hooks do not follow: the tiles' weight gradients are lost (tests/integration/test_fsdp.py; on an H100
     the losses drifted 4% from DDP's). The root unit stays unsharded through the backward and
     reduce-scatters once, at its end."""
     units = set(inspect.signature(TorchFullyShardedDataParallel.__init__)

@@ -1,6 +1,6 @@
 """The pretraining loop, as a story: check the inputs (`training.inputs`), start the process
 groups, build the model, optimizer and scheduler (`training.model`), resume
-(`training.checkpointing`), build the sequence-sharded batches, then step (`training.schedule`,
+(`training.checkpoint`), build the sequence-sharded batches, then step (`training.schedule`,
 the global batch of `training.batch_schedule`, the run flags' `training.step_hooks` around it),
 log, evaluate, save and stop on `--exit-interval`, SIGTERM or the time limit (`training.exits`).
 """
@@ -11,21 +11,22 @@ import time
 import torch
 from megatron.core.optimizer_param_scheduler import get_canonical_lr_for_logging
 
-from .. import parallel_state as ps
-from .. import rng
-from ..processes import guard_rank
-from ..vocab import model_vocab_size
+from ..sp import parallel_state as ps
+from ..sp import rng
+from .processes import guard_rank
+from ..data.vocab import model_vocab_size
 from .batch_schedule import global_batch_size_at
-from .checkpoint_saver import CheckpointSaver
+from .checkpoint.saver import CheckpointSaver
 from .chunks import model_chunks
-from .checkpointing import carried_common_state, load_checkpoint, save_checkpoint
+from .checkpoint.load import carried_common_state, load_checkpoint
+from .checkpoint.save import save_checkpoint
 from .config import RunConfig
 from .exits import ExitRequest
 from .fsdp import RankBytesLog, sharding_strategy
 from .inputs import build_batches, check_inputs
 from .logging import TrainingLogger, append_progress, print_rank_0, set_logging_level
 from .model import build_model, build_model_and_optimizer, gather_params, transformer_config
-from .save_guard import lock_save_dir
+from .checkpoint.save_guard import lock_save_dir
 from .schedule import NonFiniteError, evaluate, train_step
 from .step_hooks import StepHooks
 

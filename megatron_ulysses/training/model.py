@@ -21,11 +21,12 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 
-from .. import cpu_compat, rng
-from ..backends import te_available
-from ..layer_specs import build_gpt_model
+from .. import cpu_compat
+from ..sp import rng
+from ..sp.backends import te_available
+from ..sp.layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
-from ..parallel_state import ParallelDims
+from ..sp.parallel_state import ParallelDims
 from .chunks import model_chunks
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config import grad_buckets

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from .. import cpu_compat
-from ..loss import global_mean, loss_func
+from ..sp.loss import global_mean, loss_func
 from .chunks import chunk_iterators, model_chunks
 from .config import TrainingConfig
 from .fsdp import local_grad

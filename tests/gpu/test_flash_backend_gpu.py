@@ -25,7 +25,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
-from megatron_ulysses.backends import flash_import_error
+from megatron_ulysses.sp.backends import flash_import_error
 
 if flash_import_error() is not None:
     pytest.skip(f"flash_attn.cute (flash-attn-4) does not import: {flash_import_error()}",
@@ -39,10 +39,10 @@ from test_sp_on_one_gpu import (  # noqa: E402
 from test_trainer import MOCK, MODEL, RUN, Run, _close, _wave, packed_documents  # noqa: E402
 
 from megatron_ulysses import cpu_compat  # noqa: E402
-from megatron_ulysses import parallel_state as ps  # noqa: E402
-from megatron_ulysses.attention import UlyssesAttention  # noqa: E402
-from megatron_ulysses.layer_specs import build_gpt_model  # noqa: E402
-from megatron_ulysses.loss import global_mean  # noqa: E402
+from megatron_ulysses.sp import parallel_state as ps  # noqa: E402
+from megatron_ulysses.sp.attention import UlyssesAttention  # noqa: E402
+from megatron_ulysses.sp.layer_specs import build_gpt_model  # noqa: E402
+from megatron_ulysses.sp.loss import global_mean  # noqa: E402
 
 D = 64
 # (H, G) per SP size: MHA and GQA everywhere; at P 4 also G < P and uneven heads (14 / 2).

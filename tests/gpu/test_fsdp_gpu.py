@@ -4,9 +4,9 @@
 - Megatron-FSDP (`--use-megatron-fsdp`, megatron-core's FullyShardedDataParallel and its
   distributed optimizer) at SP 2 with each --data-parallel-sharding-strategy but optim, and
   optim_grads_params at DP 2 x SP 2, log SP 1's losses (LOSS_REL, as test_trainer_sp.py). Its
-  CUDA side streams and buffers keep it off the CPU; tests/test_fsdp.py covers torch FSDP2 there.
+  CUDA side streams and buffers keep it off the CPU; tests/integration/test_fsdp.py covers torch FSDP2 there.
   The optim strategy measured wrong on an H100 (its first grad norm 1.5x DDP's, at DP 2 without
-  SP too): refused on GPU (tests/test_perf_flags.py), not run here.
+  SP too): refused on GPU (tests/unit/test_perf_flags.py), not run here.
 - Either FSDP at DP 2 x SP 2 with TiledMLP, tiled loss, full recompute and activation offload
   logs SP 1's losses. Measured 19% (Megatron-FSDP) and 4% (FSDP2) off before the tiles handed
   each parameter's gradient to autograd once (memory/tiling.py) and FSDP2 kept the output layer

@@ -50,7 +50,7 @@ def report(name: str, **values) -> None:
 
 
 def test_te_fused_rope_breaks_where_fused_rope_fits_says():
-    from megatron_ulysses.rope import fused_rope_fits
+    from megatron_ulysses.sp.rope import fused_rope_fits
 
     last = (2**31 - 1) // (48 * 64)  # the most tokens whose qkv (48 heads x 64) fits
     assert fused_rope_fits(last, 32, 8, 64) and not fused_rope_fits(last + 1000, 32, 8, 64)

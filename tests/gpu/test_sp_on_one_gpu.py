@@ -25,11 +25,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 
 from distributed import spawn
-from megatron_ulysses import parallel_state as ps
-from megatron_ulysses.attention import UlyssesAttention
+from megatron_ulysses.sp import parallel_state as ps
+from megatron_ulysses.sp.attention import UlyssesAttention
 from megatron_ulysses.data.sharding import get_batch_for_sp_rank
-from megatron_ulysses.layer_specs import build_gpt_model
-from megatron_ulysses.loss import global_mean, masked_sum
+from megatron_ulysses.sp.layer_specs import build_gpt_model
+from megatron_ulysses.sp.loss import global_mean, masked_sum
 from megatron_ulysses import cpu_compat
 
 pytest.importorskip("transformer_engine")

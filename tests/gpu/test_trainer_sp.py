@@ -16,7 +16,7 @@ then checks one property of their logs:
 - Checkpoints (megatron-core's fully reshardable distributed-optimizer layout, written by the
   fully parallel save across the ranks' GPU tensors) saved at one DP x SP and loaded at another
   (SP 2 -> SP 1, SP 2 -> SP 4, DP 2 x SP 2 -> SP 2) continue SP 1's run.
-- Dropout at SP 2: its masks differ per rank (tests/test_dropout.py), so no SP 1 run draws
+- Dropout at SP 2: its masks differ per rank (tests/integration/test_dropout.py), so no SP 1 run draws
   them; resumed from its own checkpoint it logs the uninterrupted run's digits
   (--deterministic-mode).
 - tools/eval_passkey.py at SP 2 (fp32) on the packed run's checkpoint answers as at SP 1.

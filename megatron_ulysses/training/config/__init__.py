@@ -21,7 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Tuple
 
-from ...parallel_state import ParallelDims
+from ...sp.parallel_state import ParallelDims
 from .checkpoint import CheckpointConfig
 from .checks import section_of
 from .data import DataConfig

@@ -243,9 +243,9 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
     shape that differs from the checkpoint's is refused by the load), and its tokenizer
     (`_take_tokenizer`)."""
     require(args.load is not None, "--use-checkpoint-args needs --load (as in Megatron-LM)")
-    from .. import checkpointing  # megatron-core's dist_checkpointing: only needed here
+    from ..checkpoint import load as checkpoint_load  # dist_checkpointing: only needed here
 
-    saved = checkpointing.read_checkpoint_args(args.load)
+    saved = checkpoint_load.read_checkpoint_args(args.load)
     if saved is None:
         raise ConfigError(f"--use-checkpoint-args: no checkpoint at --load {args.load} (its "
                           "latest_checkpointed_iteration.txt is missing)")

@@ -11,7 +11,7 @@ from typing import List
 
 from ...errors import ConfigError, flag_name
 from ...memory.tiling import check_num_tiles
-from ...parallel_state import ParallelDims
+from ...sp.parallel_state import ParallelDims
 
 
 @dataclass

@@ -3,7 +3,7 @@
 
 from dataclasses import dataclass
 
-from ...backends import te_available
+from ...sp.backends import te_available
 from .checks import Context, require
 
 

@@ -4,7 +4,7 @@ logits + loss, activation offload; off by default, exact) and megatron-core's re
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
-from ...backends import te_available
+from ...sp.backends import te_available
 from .checks import Context, check_range, ignore_without, require, tiles
 
 # megatron-core's selective-recompute submodules of a dense GPT layer.

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from ...backends import BACKENDS, resolve_backend, te_available
+from ...sp.backends import BACKENDS, resolve_backend, te_available
 from ...errors import ConfigError
 from .checks import Context, check_positive, check_range, ignore_without, number, require
 from .fusions import FusionFields

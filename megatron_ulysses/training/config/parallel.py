@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ...errors import ConfigError, flag_name
-from ...parallel_state import TP_PP_DP_ORDER, ParallelDims
+from ...sp.parallel_state import TP_PP_DP_ORDER, ParallelDims
 from .checks import Context, check_range, ignore_without, require
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from ...backends import te_available
+from ...sp.backends import te_available
 from ...errors import ConfigError
 from .checks import Context, check_range, ignore_without, require
 from .grad_buckets import GradBucketFields

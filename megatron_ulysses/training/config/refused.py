@@ -2,7 +2,7 @@
 scope (MoE, RL, inference, ...), by group with one reason each, and single flags of features not
 built here, each with why and what to use instead. Every flag of Megatron-LM's parser is either
 taken by a config section, accepted by `compat.py`, or named here, so a Megatron-LM command line
-never stops with a bare 'unrecognized arguments' (`tests/megatron_lm_flags.txt` lists them).
+never stops with a bare 'unrecognized arguments' (`tests/helpers/megatron_lm_flags.txt` lists them).
 `arguments.py` puts the refusal in the one message with the command line's other problems."""
 
 from typing import Dict, List, Sequence

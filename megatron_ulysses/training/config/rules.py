@@ -5,7 +5,7 @@ sections' rules, once every default it reads is filled in."""
 import math
 
 from ...data.datasets import parse_split
-from ...rope import fused_rope_fits
+from ...sp.rope import fused_rope_fits
 from .checks import Context, require
 
 
