@@ -153,8 +153,8 @@ def check_dataset(prefix: str, flag: str) -> DatasetInfo:
 
 def load_tokenizer(args):
     """The tokenizer of a tool's tokenizer flags (``add_tokenizer_arguments``)."""
-    from megatron_ulysses.data.tokenizers import (
-        build_tokenizer_from, check_tokenizer_flags, tokenizer_files)
+    from megatron_ulysses.data.tokenizer_flags import check_tokenizer_flags, tokenizer_files
+    from megatron_ulysses.data.tokenizers import build_tokenizer_from
 
     try:
         check_tokenizer_flags(args)
@@ -194,7 +194,7 @@ def tokenizer_record(args, tokenizer) -> Dict:
     """What the sidecar says about the tokenizer that made a dataset: its type, files (one
     path, or GPT2BPETokenizer's vocab and merges joined by " + "), their digest, and the
     tokenizer options that differ from their defaults (TikTokenizer's pattern, ...)."""
-    from megatron_ulysses.data.tokenizers import (
+    from megatron_ulysses.data.tokenizer_flags import (
         TOKENIZER_OPTIONS, tokenizer_files, tokenizer_options)
 
     paths = list(tokenizer_files(args).values())

@@ -7,7 +7,7 @@ from typing import List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import add_tokenizer_arguments  # noqa: E402
+from megatron_ulysses.data.tokenizer_flags import add_tokenizer_arguments  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -29,8 +29,8 @@ from typing import BinaryIO, Dict, Iterator, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ulysses.data.tokenizers import (  # noqa: E402
-    add_tokenizer_arguments, check_for_training)
+from megatron_ulysses.data.tokenizer_flags import add_tokenizer_arguments  # noqa: E402
+from megatron_ulysses.data.tokenizers import check_for_training  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

@@ -8,13 +8,15 @@ import sys
 import pytest
 import sentencepiece
 
-from megatron_ulysses.data.tokenizers import (
+from megatron_ulysses.data.tokenizer_flags import (
     TOKENIZER_OPTIONS,
     add_tokenizer_arguments,
+    check_tokenizer_flags,
+)
+from megatron_ulysses.data.tokenizers import (
     build_tokenizer,
     build_tokenizer_from,
     check_for_training,
-    check_tokenizer_flags,
     padding_id,
 )
 

@@ -7,7 +7,7 @@ import json
 import os
 import warnings
 
-from ...data.tokenizers import tokenizer_files
+from ...data.tokenizer_flags import tokenizer_files
 from ...errors import ConfigError
 from ..chunks import model_chunks, state_keys
 from ..fsdp import (

@@ -9,7 +9,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import Optional
 
-from ...data.tokenizers import TOKENIZER_TYPES
+from ...data.tokenizer_flags import TOKENIZER_TYPES
 from ...errors import ConfigError, flag_name
 from .checks import Context, check_output_dir, check_range, ignore_without, require
 

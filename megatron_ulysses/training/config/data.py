@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...data.datasets import SPLIT_NAMES, parse_data_path, parse_split, unquote
-from ...data.tokenizers import add_tokenizer_arguments, check_tokenizer_flags
+from ...data.tokenizer_flags import add_tokenizer_arguments, check_tokenizer_flags
 from ...errors import ConfigError
 from .checks import Context, check_output_dir, check_range, require
 
@@ -31,7 +31,7 @@ class DataConfig:
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
-    # The TOKENIZER_OPTIONS (data/tokenizers.py): build_tokenizer_from reads them by name.
+    # The TOKENIZER_OPTIONS (data/tokenizer_flags.py): build_tokenizer_from reads them by name.
     vocab_extra_ids: int
     tokenizer_special_tokens: Optional[Tuple[str, ...]]
     tiktoken_pattern: Optional[str]
