@@ -86,7 +86,7 @@ from megatron_ulysses.sp.loss import masked_sum
 from megatron_ulysses.memory import activation_offload, tiling
 from megatron_ulysses.training.fsdp import torch_optimizers
 from megatron_ulysses.training.loop import initialize_distributed
-from megatron_ulysses.training.schedule import _per_token_loss
+from megatron_ulysses.training.schedule import per_token_loss
 
 VARIANTS = {  # key: (label, flags)
     "none": ("no recompute", ()),
@@ -389,7 +389,7 @@ def warm_up(trainer, seq: int, shape) -> None:
     """One unrecorded forward + backward (GPU): kernel selection, cuBLAS / TE workspaces and
     Triton compiles happen here, not inside the measured forward's memory_allocated delta."""
     batch = harness.random_batch(shape.vocab, seq)
-    loss_sum, _ = masked_sum(_per_token_loss(trainer.model, batch), batch["loss_mask"])
+    loss_sum, _ = masked_sum(per_token_loss(trainer.model, batch), batch["loss_mask"])
     loss_sum.backward()
     del loss_sum, batch
     trainer.model.zero_grad_buffer()
@@ -409,7 +409,7 @@ def measure(trainer, seq: int, shape, args) -> dict:
         harness.synchronize()
         before = torch.cuda.memory_allocated() if cuda else 0
         with recorder.recording("forward"):
-            per_token = _per_token_loss(model, batch)
+            per_token = per_token_loss(model, batch)
             loss_sum, _ = masked_sum(per_token, batch["loss_mask"])
         harness.synchronize()
         if cuda:
