@@ -296,7 +296,7 @@ def main_uneven(args):
     harness.shutdown()
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seqs", default="8192,32768", help="comma-separated sequence lengths")
     parser.add_argument("--heads", type=int, default=32)
@@ -311,91 +311,99 @@ def main():
     parser.add_argument("--uneven", default=None, metavar="H/G@P,...",
                         help="time each SP rank's attention for these head layouts instead "
                              "(e.g. 28/4@8; runs on CPU too)")
-    args = parser.parse_args()
-    if args.uneven:
-        return main_uneven(args)
-    if not torch.cuda.is_available():
-        raise SystemExit("attention_overhead.py needs a GPU")
+    return parser.parse_args()
 
-    from megatron_ulysses.sp.attention import UlyssesAttention
-    from megatron_ulysses.sp.backends import te_available
+
+def layer_config(args, seqs):
+    """The TransformerConfig of one layer of the requested shape, built as the trainer builds
+    it (the process group initialized for it)."""
     from megatron_ulysses.training.loop import initialize_distributed
     from megatron_ulysses.training.model import transformer_config
 
-    seqs = [int(s) for s in args.seqs.split(",")]
-    hidden = args.heads * args.head_dim  # one layer of this shape, built as the trainer builds it
+    hidden = args.heads * args.head_dim
     shape = harness.Shape(hidden=hidden, layers=1, heads=args.heads, kv_heads=args.kv_heads,
                           ffn=4 * hidden, vocab=128)
     run = harness.run_config(shape, max(seqs), "sdpa")
     initialize_distributed(run)
-    config = transformer_config(run.model, run.dims)
+    return transformer_config(run.model, run.dims)
 
-    results = {"versions": harness.versions(), "args": vars(args), "rows": [], "checks": {}}
-    backends = usable_backends(args.backends)
-    if "te" in backends:
+
+def random_inputs(s, b, heads, groups, d):
+    """q, k, v [s, b, n, d] (requiring grad) and the output grad, flat and per head, seeded by s."""
+    gen = torch.Generator(device="cuda").manual_seed(s)
+    q, k, v = (torch.randn(s, b, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+               .requires_grad_() for n in (heads, groups, groups))
+    grad = torch.randn(s, b, heads * d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    return q, k, v, grad, grad.view(s, b, heads, d)
+
+
+def time_wrapped_vs_direct(config, backends, s, inputs, flops, args, results) -> None:
+    """Each backend through UlyssesAttention against its own attention called directly."""
+    from megatron_ulysses.sp.attention import UlyssesAttention
+
+    q, k, v, grad, grad4 = inputs
+    for backend in backends:
+        attn = UlyssesAttention(config, 1, backend=backend).cuda()
+        runs = {
+            "wrapped": fwd_bwd(lambda q, k, v: attn(q, k, v, None), q, k, v, grad),
+            "direct": fwd_bwd(lambda q, k, v: attn.backend_attention(q, k, v), q, k, v, grad4),
+        }
         try:
-            results["checks"] = check_te(config)
-        except Exception as exc:  # keep timing SDPA even if TE is broken
-            results["checks"] = {"error": harness.describe_failure(exc)}
-            print(f"check TEAttention: {results['checks']['error']}", flush=True)
-    heads, groups, d, b = args.heads, args.kv_heads, args.head_dim, 1
-    for s in seqs:
-        flops = attention_flops(s, b, heads, d)
-        gen = torch.Generator(device="cuda").manual_seed(s)
-        q, k, v = (torch.randn(s, b, n, d, device="cuda", generator=gen, dtype=torch.bfloat16)
-                   .requires_grad_() for n in (heads, groups, groups))
-        grad = torch.randn(s, b, heads * d, device="cuda", generator=gen, dtype=torch.bfloat16)
-        grad4 = grad.view(s, b, heads, d)
-        for backend in backends:
-            attn = UlyssesAttention(config, 1, backend=backend).cuda()
-            runs = {
-                "wrapped": fwd_bwd(lambda q, k, v: attn(q, k, v, None), q, k, v, grad),
-                "direct": fwd_bwd(lambda q, k, v: attn.backend_attention(q, k, v), q, k, v, grad4),
-            }
-            try:
-                t = time_side_by_side(runs, args.warmup, args.iters, args.rounds)
-            except Exception as exc:
-                print(f"s={s:6d} {backend}: {harness.describe_failure(exc)}", flush=True)
-                continue
-            row = {"s": s, "backend": backend, "wrapped_s": t["wrapped"], "direct_s": t["direct"],
-                   "wrapped_tflops": flops / t["wrapped"] / 1e12,
-                   "direct_tflops": flops / t["direct"] / 1e12,
-                   "ratio": t["direct"] / t["wrapped"]}
-            results["rows"].append(row)
-            print(f"s={s:6d} {backend:5s} UlyssesAttention {row['wrapped_tflops']:6.1f} TFLOP/s | "
-                  f"direct {row['direct_tflops']:6.1f} TFLOP/s | ratio {row['ratio']:.4f}",
-                  flush=True)
-            harness.write_json(args.json, results)
-        variants = sdpa_gqa_variants(q, k, v, heads // groups)
-        runs = {name: fwd_bwd(fn, q, k, v, grad4) for name, fn in variants.items()}
-        if te_available():
-            te = UlyssesAttention(config, 1, backend="te").cuda()
-            runs["TE DotProductAttention (sbhd, GQA native)"] = fwd_bwd(
-                lambda q, k, v: te.backend_attention(q, k, v), q, k, v, grad4)
-        t = {}
-        for name, run in runs.items():  # one at a time: a kernel may refuse the shape
-            try:
-                t.update(time_side_by_side({name: run}, args.warmup, args.iters, args.rounds))
-            except Exception as exc:
-                print(f"s={s:6d} {name}: not run ({str(exc).splitlines()[0][:120]})", flush=True)
-        for name, seconds in t.items():
-            row = {"s": s, "variant": name, "seconds": seconds,
-                   "tflops": flops / seconds / 1e12, "kernels": attention_kernels(runs[name])}
-            results.setdefault("gqa_rows", []).append(row)
-            print(f"s={s:6d} {name:45s} {row['tflops']:6.1f} TFLOP/s  {row['kernels']}",
-                  flush=True)
-        try:
-            choice = torch._fused_sdp_choice(*(t.permute(1, 2, 0, 3) for t in (
-                q, k.repeat_interleave(heads // groups, 2), v.repeat_interleave(heads // groups, 2))),
-                is_causal=True)
-            print(f"s={s:6d} torch default SDPA choice for the expanded call: {choice}", flush=True)
-            results.setdefault("sdpa_default_choice", {})[s] = int(choice)
-        except Exception as exc:  # private API; informative only
-            print(f"(torch._fused_sdp_choice unavailable: {exc})")
+            t = time_side_by_side(runs, args.warmup, args.iters, args.rounds)
+        except Exception as exc:
+            print(f"s={s:6d} {backend}: {harness.describe_failure(exc)}", flush=True)
+            continue
+        row = {"s": s, "backend": backend, "wrapped_s": t["wrapped"], "direct_s": t["direct"],
+               "wrapped_tflops": flops / t["wrapped"] / 1e12,
+               "direct_tflops": flops / t["direct"] / 1e12,
+               "ratio": t["direct"] / t["wrapped"]}
+        results["rows"].append(row)
+        print(f"s={s:6d} {backend:5s} UlyssesAttention {row['wrapped_tflops']:6.1f} TFLOP/s | "
+              f"direct {row['direct_tflops']:6.1f} TFLOP/s | ratio {row['ratio']:.4f}",
+              flush=True)
         harness.write_json(args.json, results)
-        del q, k, v, grad, grad4
-        harness.reset_memory()
 
+
+def time_gqa_variants(config, s, inputs, flops, args, results) -> None:
+    """The ways to run GQA attention (SDPA variants, TE's native GQA), one at a time."""
+    from megatron_ulysses.sp.attention import UlyssesAttention
+    from megatron_ulysses.sp.backends import te_available
+
+    q, k, v, _, grad4 = inputs
+    variants = sdpa_gqa_variants(q, k, v, args.heads // args.kv_heads)
+    runs = {name: fwd_bwd(fn, q, k, v, grad4) for name, fn in variants.items()}
+    if te_available():
+        te = UlyssesAttention(config, 1, backend="te").cuda()
+        runs["TE DotProductAttention (sbhd, GQA native)"] = fwd_bwd(
+            lambda q, k, v: te.backend_attention(q, k, v), q, k, v, grad4)
+    t = {}
+    for name, run in runs.items():  # one at a time: a kernel may refuse the shape
+        try:
+            t.update(time_side_by_side({name: run}, args.warmup, args.iters, args.rounds))
+        except Exception as exc:
+            print(f"s={s:6d} {name}: not run ({str(exc).splitlines()[0][:120]})", flush=True)
+    for name, seconds in t.items():
+        row = {"s": s, "variant": name, "seconds": seconds,
+               "tflops": flops / seconds / 1e12, "kernels": attention_kernels(runs[name])}
+        results.setdefault("gqa_rows", []).append(row)
+        print(f"s={s:6d} {name:45s} {row['tflops']:6.1f} TFLOP/s  {row['kernels']}",
+              flush=True)
+
+
+def record_sdpa_choice(s, inputs, rep, results) -> None:
+    """Which kernel torch's SDPA picks by default for the call with k, v expanded to all heads."""
+    q, k, v = inputs[:3]
+    try:
+        choice = torch._fused_sdp_choice(*(t.permute(1, 2, 0, 3) for t in (
+            q, k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2))),
+            is_causal=True)
+        print(f"s={s:6d} torch default SDPA choice for the expanded call: {choice}", flush=True)
+        results.setdefault("sdpa_default_choice", {})[s] = int(choice)
+    except Exception as exc:  # private API; informative only
+        print(f"(torch._fused_sdp_choice unavailable: {exc})")
+
+
+def print_summary(results) -> None:
     print("\n| s | backend | UlyssesAttention TFLOP/s | direct TFLOP/s | ratio |")
     print("|---|---|---|---|---|")
     for r in results["rows"]:
@@ -405,6 +413,35 @@ def main():
     print("|---|---|---|")
     for r in results.get("gqa_rows", []):
         print(f"| {r['s']} | {r['variant']} | {r['tflops']:.1f} |")
+
+
+def main():
+    args = parse_args()
+    if args.uneven:
+        return main_uneven(args)
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_overhead.py needs a GPU")
+    seqs = [int(s) for s in args.seqs.split(",")]
+    config = layer_config(args, seqs)
+    results = {"versions": harness.versions(), "args": vars(args), "rows": [], "checks": {}}
+    backends = usable_backends(args.backends)
+    if "te" in backends:
+        try:
+            results["checks"] = check_te(config)
+        except Exception as exc:  # keep timing SDPA even if TE is broken
+            results["checks"] = {"error": harness.describe_failure(exc)}
+            print(f"check TEAttention: {results['checks']['error']}", flush=True)
+    b = 1
+    for s in seqs:
+        flops = attention_flops(s, b, args.heads, args.head_dim)
+        inputs = random_inputs(s, b, args.heads, args.kv_heads, args.head_dim)
+        time_wrapped_vs_direct(config, backends, s, inputs, flops, args, results)
+        time_gqa_variants(config, s, inputs, flops, args, results)
+        record_sdpa_choice(s, inputs, args.heads // args.kv_heads, results)
+        harness.write_json(args.json, results)
+        del inputs
+        harness.reset_memory()
+    print_summary(results)
     harness.shutdown()
 
 

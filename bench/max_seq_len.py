@@ -59,14 +59,63 @@ def pinned_host_gib() -> float:
     return stats().get("active_bytes.peak", 0) / harness.GIB
 
 
-def sweep(args):
-    shape = harness.PRESETS[args.preset]
-    seqs = [int(s) for s in args.seqs.split(",")]
+def selected_features(args) -> set:
+    """--features, checked (default: recompute for the stock model, every feature for ours)."""
     features = set(args.features.split(",")) if args.features else (
         {"recompute"} if args.model == "stock" else set(FEATURES))
     unknown = features - set(FEATURES)
     if unknown or (args.model == "stock" and features - {"recompute"}):
         raise SystemExit(f"--features: unknown or not for {args.model}: {sorted(features)}")
+    return features
+
+
+def step_row(trainer, shape, seq: int, params_no_emb: int, args) -> dict:
+    """One training step at `seq` tokens: peak memory, time and phases, or why it failed."""
+    t0 = time.time()
+    batch = harness.random_batch(shape.vocab, seq)
+    harness.reset_memory()
+    reset_host_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
+    if torch.cuda.is_available() and reset_host_peak is not None:
+        reset_host_peak()
+    phases = {}
+
+    def progress(name):
+        harness.synchronize()
+        phases[name] = time.time() - t0
+        print(f"  s={seq}: {name} done at {phases[name]:.1f} s, peak "
+              f"{harness.peak_memory_gib()[0]:.1f} GiB", flush=True)
+
+    stop = threading.Event()
+    if args.log_every and torch.cuda.is_available():
+        memory_logger(args.log_every, t0, stop)
+    row = {"s": seq}
+    try:
+        trainer.step(batch, progress=progress)
+        harness.synchronize()
+        seconds = time.time() - t0
+        alloc, reserved = harness.peak_memory_gib()
+        flops = harness.model_flops(params_no_emb, shape, seq)
+        row.update(status="ok", seconds=seconds, peak_alloc_gib=alloc,
+                   peak_reserved_gib=reserved, phases=phases,
+                   tflops=flops / seconds / 1e12, pinned_host_gib=pinned_host_gib())
+        print(f"s={seq:8d} ok   peak {alloc:6.1f} GiB allocated, {reserved:6.1f} reserved; "
+              f"{seconds:7.1f} s/step, {row['tflops']:.0f} TFLOP/s; pinned host "
+              f"{row['pinned_host_gib']:.1f} GiB", flush=True)
+    except Exception as exc:
+        row.update(status=harness.describe_failure(exc), phases=phases,
+                   peak_alloc_gib=harness.peak_memory_gib()[0])
+        print(f"s={seq:8d} {row['status']} (peak before failing "
+              f"{row['peak_alloc_gib']:.1f} GiB)", flush=True)
+    finally:
+        stop.set()
+    return row
+
+
+def sweep(args):
+    """Build the model once (for the longest s), then one step per length until one fails."""
+    shape = harness.PRESETS[args.preset]
+    seqs = [int(s) for s in args.seqs.split(",")]
+    features = selected_features(args)
     flags = sum((FEATURES[name] for name in FEATURES if name in features), ())
     config = harness.run_config(shape, max(seqs), args.backend, flags)
     initialize_distributed(config)
@@ -81,48 +130,11 @@ def sweep(args):
     print(f"{args.model} {sorted(features)}: {params / 1e9:.3f} B params, model + optimizer "
           f"state {static_gib:.1f} GiB", flush=True)
     for seq in seqs:
-        t0 = time.time()
-        batch = harness.random_batch(shape.vocab, seq)
-        harness.reset_memory()
-        reset_host_peak = getattr(torch.cuda, "reset_peak_host_memory_stats", None)
-        if torch.cuda.is_available() and reset_host_peak is not None:
-            reset_host_peak()
-        phases = {}
-
-        def progress(name):
-            harness.synchronize()
-            phases[name] = time.time() - t0
-            print(f"  s={seq}: {name} done at {phases[name]:.1f} s, peak "
-                  f"{harness.peak_memory_gib()[0]:.1f} GiB", flush=True)
-
-        stop = threading.Event()
-        if args.log_every and torch.cuda.is_available():
-            memory_logger(args.log_every, t0, stop)
-        row = {"s": seq}
-        try:
-            trainer.step(batch, progress=progress)
-            harness.synchronize()
-            seconds = time.time() - t0
-            alloc, reserved = harness.peak_memory_gib()
-            flops = harness.model_flops(params_no_emb, shape, seq)
-            row.update(status="ok", seconds=seconds, peak_alloc_gib=alloc,
-                       peak_reserved_gib=reserved, phases=phases,
-                       tflops=flops / seconds / 1e12, pinned_host_gib=pinned_host_gib())
-            print(f"s={seq:8d} ok   peak {alloc:6.1f} GiB allocated, {reserved:6.1f} reserved; "
-                  f"{seconds:7.1f} s/step, {row['tflops']:.0f} TFLOP/s; pinned host "
-                  f"{row['pinned_host_gib']:.1f} GiB", flush=True)
-        except Exception as exc:
-            row.update(status=harness.describe_failure(exc), phases=phases,
-                       peak_alloc_gib=harness.peak_memory_gib()[0])
-            print(f"s={seq:8d} {row['status']} (peak before failing "
-                  f"{row['peak_alloc_gib']:.1f} GiB)", flush=True)
-        finally:
-            stop.set()
+        row = step_row(trainer, shape, seq, params_no_emb, args)
         results["rows"].append(row)
         harness.write_json(args.json, results)
         if row["status"] != "ok":
             break
-        del batch
     harness.shutdown()
 
 

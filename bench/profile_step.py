@@ -140,7 +140,8 @@ def print_report(results) -> None:
                   f"{row['calls']} |")
 
 
-def main():
+def parse_args():
+    """The command line, --tokens-per-step defaulted and the backend resolved."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
     parser.add_argument("--backend", default="auto", help="te, sdpa, local or auto")
@@ -161,6 +162,26 @@ def main():
     if args.seq < 1 or args.tokens_per_step < 1 or args.warmup < 0:
         raise SystemExit("--seq and --tokens-per-step must be >= 1, --warmup >= 0")
     args.backend = resolve_backend(args.backend)
+    return args
+
+
+def profiled_step(trainer, batch, args, cuda: bool) -> tuple:
+    """--warmup unprofiled steps, then one under torch.profiler: (profile, seconds, loss)."""
+    for index in range(args.warmup):
+        [seconds] = harness.time_calls(lambda: trainer.step(batch), 1)
+        print(f"  warmup {index + 1}/{args.warmup}: {seconds:7.2f} s", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    losses = []
+    with profile(activities=activities) as prof:
+        [seconds] = harness.time_calls(lambda: losses.append(trainer.step(batch)), 1)
+    print(f"  profiled step: {seconds:7.2f} s, loss {losses[0]:.4f}", flush=True)
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+    return prof, seconds, losses[0]
+
+
+def main():
+    args = parse_args()
     shape = harness.PRESETS[args.preset]
     flags = shlex.split(args.variant_flags)
     micro_batches = math.ceil(args.tokens_per_step / args.seq)
@@ -175,17 +196,7 @@ def main():
     print(f"s={args.seq} {label}: built in {time.perf_counter() - start:.1f} s; "
           f"{micro_batches} x {args.seq} tokens per step", flush=True)
     batch = harness.random_batch(shape.vocab, args.seq)
-    for index in range(args.warmup):
-        [seconds] = harness.time_calls(lambda: trainer.step(batch), 1)
-        print(f"  warmup {index + 1}/{args.warmup}: {seconds:7.2f} s", flush=True)
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    losses = []
-    with profile(activities=activities) as prof:
-        [seconds] = harness.time_calls(lambda: losses.append(trainer.step(batch)), 1)
-    print(f"  profiled step: {seconds:7.2f} s, loss {losses[0]:.4f}", flush=True)
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
+    prof, seconds, loss = profiled_step(trainer, batch, args, cuda)
 
     kernels = kernel_times(prof, cuda)
     categories = breakdown(kernels)
@@ -196,7 +207,7 @@ def main():
         "time_source": ("self device time of CUDA kernels, sum" if cuda
                         else "self CPU time of ops, sum"),
         "wall_clock": "CUDA events" if cuda else "perf_counter",
-        "loss": losses[0], "step_seconds": seconds,
+        "loss": loss, "step_seconds": seconds,
         "total_kernel_ms": sum(row["ms"] for row in categories), "categories": categories,
         "top_kernels": kernels[:10],
         "other_top": [k for k in kernels if k["category"] == OTHER][:15],

@@ -10,7 +10,7 @@
 #   --offload-activations               moves those checkpoints to pinned host memory;
 #   --tiled-mlp-shards auto             never holds the [s, ffn] MLP intermediate whole;
 #   --tiled-loss-shards auto            never holds the [s, V] logits whole.
-# Prediction (python bench/memory_model.py --strategies, bench/RESULTS.md section 8): weights
+# Prediction (python bench/memory_plan.py --strategies, bench/RESULTS.md section 8): weights
 # (16 GB bf16) + fp32 grad buffer (32 GB) stay on the GPU whatever F is; the rest is a trade
 # between GPU and host memory (16 bytes per parameter on the host per unit of F, plus the layer
 # checkpoints, 32 x [s, h] bf16 = 64 GiB at 256K in power-of-two pinned blocks):

@@ -22,7 +22,7 @@ from .config import TrainingConfig
 from .fsdp import local_grad
 
 
-def _per_token_loss(model, batch):
+def per_token_loss(model, batch):
     """The model on one sequence-sharded micro batch: per-token loss `[b, s/P]`."""
     return model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"],
                  packed_seq_params=batch["packed_seq_params"])
@@ -31,7 +31,7 @@ def _per_token_loss(model, batch):
 def forward_step(data_iterator, model):
     """megatron-core's forward_step_func: per-token loss `[b, s/P]` and its loss function."""
     batch = next(data_iterator)
-    return _per_token_loss(model, batch), functools.partial(loss_func, batch["loss_mask"])
+    return per_token_loss(model, batch), functools.partial(loss_func, batch["loss_mask"])
 
 
 @contextlib.contextmanager

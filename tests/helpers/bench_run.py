@@ -1,5 +1,6 @@
 """Runs a bench/ script as a user would, on CPU with one thread per process (the smoke tests of
-bench/mfu.py, profile_step.py, attention_overhead.py, flash_attention.py and memory_model.py)."""
+bench/mfu.py, profile_step.py, attention_overhead.py, flash_attention.py, memory_record.py and
+memory_plan.py)."""
 
 import os
 import subprocess

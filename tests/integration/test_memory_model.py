@@ -1,4 +1,5 @@
-"""bench/memory_model.py end to end on CPU (fp32, e = 4): the tiny preset at s = 64 and 128.
+"""bench/memory_record.py end to end on CPU (fp32, e = 4): the tiny preset at s = 64 and 128; then
+memory_plan.py's per-GPU state of each data-parallel strategy.
 
 The formulas here are written out from the shape on their own (not taken from the script's
 analytic model), from what megatron-core's modules save on CPU: torch's RMSNorm decomposition
@@ -24,7 +25,7 @@ E = 4  # fp32 on CPU
 
 def run_script(tmp_path, backend, variants):
     out = tmp_path / f"memory_{backend}.json"
-    run = run_bench("memory_model.py", "--preset", "tiny", "--backend", backend, "--seq", S1,
+    run = run_bench("memory_record.py", "--preset", "tiny", "--backend", backend, "--seq", S1,
                     "--offload-min-bytes", "0", "--variants", ",".join(variants), "--json", out,
                     timeout=180)
     results = json.loads(out.read_text())
@@ -207,14 +208,14 @@ def test_sdpa_has_no_s_squared_term(tmp_path, dims):
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-GPU state of each data-parallel strategy (`--strategies`): formulas, no model is built.
+# Per-GPU state of each data-parallel strategy (memory_plan.py): formulas, no model is built.
 # ---------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def mm():
     sys.path.insert(0, str(REPO_ROOT / "bench"))
-    import memory_model
-    return memory_model
+    import memory_plan
+    return memory_plan
 
 
 def test_parameter_counts_are_llama_3_1s(mm):
@@ -332,7 +333,7 @@ def test_offloaded_activations_take_power_of_two_pinned_blocks(mm):
 
 def test_strategies_cli_prints_plans_within_the_budgets(tmp_path):
     out = tmp_path / "strategies.json"
-    run = run_bench("memory_model.py", "--strategies", "--json", out)
+    run = run_bench("memory_plan.py", "--strategies", "--json", out)
     assert "### Per-GPU model + optimizer state (GiB)" in run.stdout
     result = json.loads(out.read_text())
     assert len(result["rows"]) == 2 * 2 * 6  # models x layouts x strategies
