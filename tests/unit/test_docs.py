@@ -212,6 +212,8 @@ def _tracked_text_files():
 def test_no_tracked_file_speaks_of_the_development_environment():
     hits = []
     for name, text in _tracked_text_files():
+        if name == "tests/unit/test_docs.py":  # defines the words
+            continue
         for number, line in enumerate(text.splitlines(), 1):
             if DEV_WORDS.search(line) and not ALLOWED.search(line) \
                     and not any(p in line for p in PENDING.get(name, ())):
