@@ -25,9 +25,8 @@ attention_overhead.py's bf16 tolerance for TE); fa4-det runs twice and must repe
 backend that raises in the check (or cannot be built) is not timed; the error is in the results.
 `--budget-s` stops starting new (shape, length) cases once that many seconds have passed.
 
-Writes $OUT/flash_attention.json and $OUT/flash_attention.md (OUT defaults to ./out). Device
-command (after the carry calls of bench/prepare_flash4.sh):
-    . .te6/install_te.sh && . .fa2/install_fa4.sh && export PYTHONPATH=$PWD:$PYTHONPATH && \
+Writes $OUT/flash_attention.json and $OUT/flash_attention.md (OUT defaults to ./out). Command,
+with TE and flash-attn-4 installed (docs/gpu.md):
     PYTHONUNBUFFERED=1 python3 bench/flash_attention.py 2>&1 | tee $OUT/flash_attention.log
 `--dry-run` lists the cases. CPU smoke test (tests/integration/test_flash_attention_bench.py):
     python bench/flash_attention.py --backends sdpa-math --shapes 4/2/8 --seqs 64 --check-seq 64

@@ -29,11 +29,12 @@ Variants (keys for --variants / --skip; flags added to the base flags):
                      attention stays bf16 (TE 2.20.2 has no FP8 attention kernel for it)
     ours-flash, ours-mlp-flash, ours-flash-fp8
                      ours / ours-mlp / ours-fp8 + --ulysses-attention-backend flash
-                     (FlashAttention-4, in TE's layers; needs flash-attn-4: device command below)
+                     (FlashAttention-4, in TE's layers; needs flash-attn-4: see below)
 
 Default --skip (DEFAULT_PLAN): each side's candidates for best at each s, as measured on
-2026-12-04/06, in bf16 and FP8 (the bf16 plan alone took about 9 minutes of H200 for all
-three s: run 8K + 32K and 128K as two device calls). Left out: at 8K and 32K every recompute and TiledMLP variant (everything fits without; they only cost: section 3 of
+2026-12-04/06, in bf16 and FP8 (the bf16 plan alone takes about 9 minutes of an H200 for all
+three s). Left out: at 8K and 32K every recompute and TiledMLP variant (everything fits
+without; they only cost: section 3 of
 bench/RESULTS.md), at 128K the variants without recompute (OOM) and the slower full-recompute
 ones of ours; the flash variants (FlashAttention-4, 1.2-1.4x cuDNN's attention alone on the
 H100: bench/RESULTS.md) run at every s, bf16, and with FP8 at 8K. `--skip ""` runs everything.
@@ -45,8 +46,9 @@ The JSON is rewritten after every row (a run cut short keeps its rows and summar
 
 Command (H200; environment in bench/RESULTS.md, "Setup"):
     python3 bench/mfu.py --warmup 1 --iters 2 --json $OUT/mfu.json
-The flash variants need flash-attn-4 (bench/prepare_flash4.sh's carry folders; without it their
-rows record the ConfigError): `. .te6/install_te.sh && . .fa2/install_fa4.sh && ...` first.
+The flash variants need flash-attn-4 (`pip install 'megatron_ulysses[flash]'`, or
+bench/prepare_flash4.sh for a node without a package index); without it their rows record the
+ConfigError.
 CPU smoke test (tests/integration/test_bench_smoke.py):
     python3 bench/mfu.py --preset tiny --backend local --seqs 64 --tokens-per-step 128 \
         --variants stock,ours --iters 1

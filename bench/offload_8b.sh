@@ -8,15 +8,15 @@
 # (max_memory_allocated), the process's peak RSS (pinned offload buffers included) and the
 # machine's peak used host memory (MemTotal - MemAvailable, sampled every 2 s).
 #
-# Usage on the GPU machine, from the repository root, after `. .te6/install_te.sh` and
+# Usage on the GPU machine, from the repository root, with Transformer Engine installed and
 # `export PYTHONPATH=$PWD:$PYTHONPATH` (bench/RESULTS.md, "Setup"):
 #   OUT=$OUT bash bench/offload_8b.sh                                  # SEQS below, F = 0.3
 #   SEQS="262144" OFFLOAD_FRACTION=0.35 OUT=$OUT bash bench/offload_8b.sh    # more GPU margin
 # Extra arguments go to pretrain_gpt.py. Writes $OUT/offload_8b.json and $OUT/offload_8b.md, and
-# each run's log ($OUT/s<SEQ>.log). DEADLINE_S [570] bounds the whole sweep so it ends inside one
-# 600 s device call: a length is started only with at least MIN_RUN_S [150] left, and is cut at
+# each run's log ($OUT/s<SEQ>.log). DEADLINE_S [570] bounds the whole sweep (e.g. to fit a job's
+# time limit): a length is started only with at least MIN_RUN_S [150] left, and is cut at
 # the deadline (status "timeout"). Rough cost on an H200 (at ~350 TFLOP/s): start-up ~1-2 min,
-# then ~65 s a step at 128K, ~130 s at 192K, ~210 s at 256K; so 256K with ITERS=2 wants a call
+# then ~65 s a step at 128K, ~130 s at 192K, ~210 s at 256K; so 256K with ITERS=2 wants a run
 # of its own (SEQS=262144).
 set -uo pipefail
 cd "$(dirname "$0")/.."

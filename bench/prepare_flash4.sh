@@ -1,22 +1,17 @@
 #!/usr/bin/env bash
-# Prepares FlashAttention-4 (flash-attn-4 4.0.0b36, CuTe-DSL kernels; nvidia-cutlass-dsl 4.8.1, CUDA 13
-# flavor) for the lent GPU (Python 3.12, torch 2.11+cu130, no internet), as shared/device/prepare_te.sh
-# does for Transformer Engine. Run here, in the project's root:  bash bench/prepare_flash4.sh
+# Packs FlashAttention-4 (flash-attn-4 4.0.0b36, CuTe-DSL kernels; nvidia-cutlass-dsl 4.8.1, CUDA 13
+# flavor) for a GPU node with no package index (Python 3.12, torch 2.11+cu130), in folders small
+# enough for a transfer limit of 64 MiB. Run on a machine with pip access, in the project's root:
+#     bash bench/prepare_flash4.sh
 # (FA4_WHEELS=dir keeps the downloads and the slow xz of step 2 between runs; default /tmp/fa4dl.)
 #
-# One device call carries 64 MiB. The DSL's CUDA 13 library wheel is 92 MB zipped; re-stored without
-# compression and xz'd it is 61 MB, so FA4 takes two carry folders: .fa1 (57 MiB, the first part of
-# that .xz) and .fa2 (~21 MB: the rest of it, the other wheels, install_fa4.sh), small enough to
-# travel with .te6 (34 MB) in TE's last call. With TE, IN QUICK SUCCESSION (a machine stays warm ~30 s
-# between calls; files outside the checkout survive while it is warm):
-#   calls 1-5 (TE):  carry [".tek"], command: mkdir -p /root/te && cp .tek/* /root/te/
-#   call 6:          carry [".fa1"], command: mkdir -p /root/fa && cp .fa1/* /root/fa/
-#   call 7 (and every later call while warm): carry [".te6", ".fa2"], command starts with
-#       . .te6/install_te.sh && . .fa2/install_fa4.sh && export PYTHONPATH=$PWD:$PYTHONPATH && ...
+# The DSL's CUDA 13 library wheel is 92 MB zipped; re-stored without compression and xz'd it is
+# 61 MB, so FA4 takes two folders: .fa1 (57 MiB, the first part of that .xz) and .fa2 (~21 MB: the
+# rest of it, the other wheels, install_fa4.sh). On the GPU node: copy .fa1/* to /root/fa/, then
+#     . .fa2/install_fa4.sh && export PYTHONPATH=$PWD:$PYTHONPATH && ...
 # e.g. ... && PYTHONUNBUFFERED=1 python3 bench/flash_attention.py   (writes under $OUT).
 # install_fa4.sh rebuilds the wheel, pip-installs everything (--no-index --no-deps) under
-# /tmp/site_fa4 once per machine (~10 s), and exports PYTHONPATH. FA4 without TE: carry [".fa2"]
-# alone in call 7. If the machine went cold, redo the copy calls.
+# /tmp/site_fa4 once per machine (~10 s), and exports PYTHONPATH.
 set -euo pipefail
 dl=${FA4_WHEELS:-/tmp/fa4dl}
 flavor=cu13
@@ -55,7 +50,7 @@ whl() { ls "$dl"/"$(echo "$1" | cut -d= -f1 | tr - _)"-"$(echo "$1" | cut -d= -f
 for w in "${main_wheels[@]}"; do cp "$(whl "$w")" .fa2/; done
 for w in "${fallback_wheels[@]}"; do cp "$(whl "$w")" .fa2/fallback/; done
 cat > .fa2/install_fa4.sh <<EOS
-# sourced on the device: rebuild the DSL's $flavor wheel once, install everything under /tmp/site_fa4
+# sourced on the GPU node: rebuild the DSL's $flavor wheel once, install everything under /tmp/site_fa4
 if [ ! -f /tmp/site_fa4/.fa4-ok ]; then
   cat /root/fa/libs_part0 .fa2/libs_part1 | python3 -c \\
     "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), open(sys.argv[1], 'wb'))" \\

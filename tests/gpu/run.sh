@@ -1,31 +1,20 @@
 #!/usr/bin/env bash
-# The GPU suite on one GPU (the lent H200): TE, megatron-core 0.19, NCCL and gloo-on-CUDA.
-# Prepare TE first (../shared/device/prepare_te.sh; its header says how), then, on the GPU machine:
-#     . .te6/install_te.sh && bash tests/gpu/run.sh
-# Writes $OUT (default runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json,
-# run_logs.tgz (each trainer run's log);
-# tests/gpu/LAST_RUN.md is written from them. About 11 minutes on an H200 (31 tests), before
-# test_trainer_sp.py (11 tests; aimed at 3-5 minutes, not yet measured): split the files over
-# 600 s calls with --ignore=tests/gpu/FILE (the arguments go to pytest), or name the files to run:
-# GPU_TESTS="tests/gpu/FILE ..." (default tests/gpu).
-# FlashAttention-4 (tests/gpu/test_flash_backend_gpu.py; skipped without it): FA4_INSTALL=1 installs
-# it from the carry folders of bench/prepare_flash4.sh (its header: .fa1 copied to /root/fa by an
-# earlier call on this warm machine, .fa2 carried in this one), e.g.
-#     . .te6/install_te.sh && FA4_INSTALL=1 GPU_TESTS=tests/gpu/test_flash_backend_gpu.py \
-#         bash tests/gpu/run.sh
+# The GPU suite on one GPU: TE, megatron-core, NCCL and gloo-on-CUDA. From the repository root, with
+# Transformer Engine installed (docs/gpu.md):
+#     bash tests/gpu/run.sh                                         # all of tests/gpu
+#     GPU_TESTS="tests/gpu/test_trainer.py ..." bash tests/gpu/run.sh  # some files
+# Further arguments go to pytest (e.g. --ignore=tests/gpu/FILE). Writes $OUT (default
+# runs/gpu_tests): pytest.log, report.jsonl (measured errors), versions.json, run_logs.tgz (each
+# trainer run's log); tests/gpu/LAST_RUN.md is written from them.
+# tests/gpu/test_flash_backend_gpu.py needs FlashAttention-4 (pip install 'megatron_ulysses[flash]';
+# on a node without a package index: bench/prepare_flash4.sh, then . .fa2/install_fa4.sh first).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-runs/gpu_tests}
 mkdir -p "$OUT"
-if [[ -n "${FA4_INSTALL:-}" ]]; then
-    # shellcheck source=/dev/null
-    . .fa2/install_fa4.sh || { echo "run.sh: FA4_INSTALL: .fa2/install_fa4.sh failed (carry" \
-        ".fa2; /root/fa/libs_part0 from .fa1: bench/prepare_flash4.sh)" >&2; exit 1; }
-    python3 -c "import flash_attn.cute" || { echo "run.sh: flash_attn.cute does not import" >&2; exit 1; }
-fi
-# tests/gpu/test_hf_gpu.py needs transformers + safetensors; a machine without them (and without
-# network, as the lent H200) gets them from a folder of wheels: HF_WHEELS=/path/to/wheels.
+# tests/gpu/test_hf_gpu.py needs transformers + safetensors; a machine without them and without
+# network gets them from a folder of wheels: HF_WHEELS=/path/to/wheels.
 if [[ -n "${HF_WHEELS:-}" ]] && ! python3 -c "import transformers, safetensors" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/hf_site \
         "$HF_WHEELS"/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/hf_site

@@ -1,6 +1,6 @@
 """`--ulysses-attention-backend flash` (FlashAttention-4's kernels) on one GPU, against the te
 backend and plain fp32 attention. Skipped, with the reason, only where `flash_attn.cute` does
-not import (tests/gpu/run.sh installs it with FA4_INSTALL=1, bench/prepare_flash4.sh).
+not import (pip install 'megatron_ulysses[flash]').
 
 - UlyssesAttention(flash), bf16, at SP 1, 2 and 4 (gloo on one GPU, as test_sp_on_one_gpu.py):
   output and q/k/v grads against fp32 attention on the whole sequence and against

@@ -25,7 +25,7 @@ import torch
 from conftest import TINY_VOCAB
 from test_trainer import ITERATION, REPO, VALIDATION, report
 
-import transformers  # noqa: E402 (the lent H200 has none: run.sh installs $HF_WHEELS)
+import transformers  # noqa: E402 (offline machines: run.sh installs it from $HF_WHEELS)
 
 # The sentencepiece tokenizer's vocabulary (conftest, for the passkey prompts); the import keeps
 # exactly these rows (no padding: padded logits would change HF's loss), and NullTokenizer's

@@ -1,4 +1,4 @@
-"""Megatron-LM flags of the parser, parallelism, model and data sections (issue 23): each does
+"""Megatron-LM flags of the parser, parallelism, model and data sections: each does
 what Megatron-LM's does (checked on the config or the built piece), or is refused by name."""
 
 import contextlib

@@ -1,4 +1,4 @@
-"""Megatron-LM's optimizer-schedule and run flags (issue 23), mostly in-process.
+"""Megatron-LM's optimizer-schedule and run flags, mostly in-process.
 
 - The LR / weight-decay schedule (samples-based, WSD, --lr-warmup-init, --weight-decay-incr-style)
   is megatron-core's OptimizerParamScheduler with the lengths Megatron-LM's

@@ -1,4 +1,4 @@
-"""The virtual pipeline (--num-layers-per-virtual-pipeline-stage, issue 26): megatron-core's
+"""The virtual pipeline (--num-layers-per-virtual-pipeline-stage): megatron-core's
 interleaved 1F1B schedule over model chunks, on CPU over gloo.
 
 - PP 2 x VPP 2 (4 layers, one per virtual stage) at SP 1 and SP 2, and PP 2 without chunks, log

@@ -1,35 +1,11 @@
-"""The README matches the code: every flag it names exists, every file it names is there, and
-both of its commands (the main job and the tests) are the ones CI runs."""
+"""Both README commands (the main job and the tests) are the ones CI runs; its flags, paths and
+command blocks are checked with the docs' (test_docs.py)."""
 
 import re
 
 from conftest import REPO_ROOT
 
 README = (REPO_ROOT / "README.md").read_text()
-# Flags the README names that belong to others: argparse, pip, sbatch, and megatron-core's own
-# context parallelism it compares against.
-FOREIGN = {"--help", "--no-build-isolation", "--nodes", "--context-parallel-size",
-           "--cp-comm-type"}
-
-
-def _sources() -> str:
-    files = [*REPO_ROOT.glob("*.py"), *REPO_ROOT.glob("megatron_ulysses/**/*.py"),
-             *REPO_ROOT.glob("tools/*.py"), *REPO_ROOT.glob("examples/*.sh")]
-    return "\n".join(path.read_text() for path in files)
-
-
-def test_every_flag_in_the_readme_exists():
-    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", README)) - FOREIGN
-    sources = _sources()
-    missing = sorted(flag for flag in flags if f'"{flag}"' not in sources
-                     and f"{flag} " not in sources)
-    assert not missing, f"README names flags no parser or script defines: {missing}"
-
-
-def test_every_path_in_the_readme_exists():
-    paths = set(re.findall(r"(?:examples|tools|bench|tests|megatron_ulysses)/[\w./-]*\w", README))
-    missing = sorted(path for path in paths if not (REPO_ROOT / path).exists())
-    assert not missing, f"README names files that do not exist: {missing}"
 
 
 def test_ci_runs_the_readme_test_command():
