@@ -1,5 +1,6 @@
 """Whole-model MFU at SP=1: stock megatron-core at Megatron-LM's default flags against ours (the
-trainer), side by side in one run, at s = 8K, 32K and 128K.
+trainer), side by side in one run, at s = 8K, 32K and the longest the card holds (64K on 80 GB,
+128K on 141 GB: --seqs auto).
 
 Model (preset llama-1b): Llama-3.2-1B shape (hidden 2048, 16 layers, 32 heads, 8 kv heads, head
 dim 64, ffn 8192 SwiGLU, RMSNorm, RoPE base 500000, vocab 128256, untied), bf16, micro batch 1.
@@ -91,6 +92,7 @@ VARIANTS = {  # key: (label, flags); a label starts with its side
 # What runs by default (the rest is --skip'ped): each side's candidates for best at each s.
 DEFAULT_PLAN = {8192: ("stock", "ours", "stock-fp8", "ours-fp8", "ours-flash", "ours-flash-fp8"),
                 32768: ("stock", "ours", "stock-fp8", "ours-fp8", "ours-flash"),
+                65536: ("stock-full", "ours-mlp", "ours-mlp-flash"),
                 131072: ("stock-full", "ours-mlp", "stock-full-fp8", "ours-mlp-fp8",
                          "ours-mlp-flash")}
 DEFAULT_SKIP = ",".join(f"{seq}:{key}" for seq, keys in DEFAULT_PLAN.items() for key in VARIANTS
@@ -153,6 +155,15 @@ def summarize(rows) -> list:
     return summary
 
 
+def auto_seqs() -> list:
+    """The lengths this card holds: 8K, 32K and, beside them, 128K on a 141 GB card (stock fits
+    it only with full recompute), 64K on an 80 GB one."""
+    import torch
+
+    total_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return [8192, 32768, 131072 if total_gib > 120 else 65536]
+
+
 def parse_skip(text: str) -> set:
     skip = set()
     for entry in filter(None, text.split(",")):
@@ -188,7 +199,8 @@ def print_tables(results) -> None:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seqs", default="8192,32768,131072")
+    parser.add_argument("--seqs", default="auto", help="comma-separated lengths, or auto: "
+                        "8K, 32K and 128K on a card of more than 120 GiB, else 8K, 32K, 64K")
     parser.add_argument("--tokens-per-step", type=int, default=262144,
                         help="at least this many tokens per optimizer step (micro batches of s)")
     parser.add_argument("--preset", default="llama-1b", choices=sorted(harness.PRESETS))
@@ -210,7 +222,7 @@ def main():
     skip = parse_skip(args.skip)
     args.backend = resolve_backend(args.backend)
     shape = harness.PRESETS[args.preset]
-    seqs = [int(s) for s in args.seqs.split(",")]
+    seqs = auto_seqs() if args.seqs == "auto" else [int(s) for s in args.seqs.split(",")]
 
     initialize_distributed(harness.run_config(shape, seqs[0], args.backend))
     results = {"versions": harness.versions(), "args": vars(args), "peak_tflops":
