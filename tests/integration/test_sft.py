@@ -109,7 +109,7 @@ def _megatron_lm_sft_argv(tokenizer: str, blend: str) -> list:
         "1.0", "--weight-decay", "0.0", "--adam-beta1", "0.9", "--adam-beta2", "0.95",
         "--init-method-std", "0.010",
         "--eval-iters", "1", "--eval-interval", "1000", "--save-interval", "1000",
-        "--log-interval", "1", "--global-batch-size", "2", "--num-workers", "0",
+        "--log-interval", "1", "--global-batch-size", "2",
     ]
 
 
@@ -120,3 +120,19 @@ def test_megatron_lm_sft_command_line_trains_at_sp2(sft_tokenizer, tmp_path):
     got = losses(pretrain(2, argv + ["--ulysses-sp-size", "2"], timeout=600))
     assert sorted(got) == [1, 2, 3]
     assert got == pytest.approx(losses(pretrain(1, argv, timeout=600)), rel=2e-6)
+
+
+def test_a_bad_jsonl_line_is_one_message_naming_file_and_line(sft_tokenizer, tmp_path):
+    data = tmp_path / "chats.jsonl"
+    data.write_text(SFT_JSONL.read_text() + '{"messages": [{"role": "user", "content": "a"}]}\n')
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps({"train": [str(data)]}))
+    run = pretrain(2, _megatron_lm_sft_argv(sft_tokenizer, str(blend)) + [
+        "--ulysses-sp-size", "2", "--save", str(tmp_path / "ckpt")], timeout=120)
+    # a failed rank: torchrun's status 1; one message (rank 0's), no traceback, nothing saved
+    assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"pretrain_gpt.py: error: --train-data-path {str(data)!r} line 5 conversation 1 (from "
+        "its system message) has no assistant turn"), run.stderr[-3000:]
+    assert not (tmp_path / "ckpt").exists()
