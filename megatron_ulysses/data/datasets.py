@@ -88,8 +88,8 @@ def build_train_valid_test_datasets(
             words (``None`` for a split not given): each split's own blend, no ``split``.
         mmap_bin_files: ``False`` (``--no-mmap-bin-files``): read ``.bin`` files with file
             reads instead of ``mmap``.
-        sft: ``--sft``: the paths are JSONL conversation files, read by ``sft``'s
-            ``SFTDataset`` (``tokenizer`` an ``SFTTokenizer``).
+        sft: ``--sft``: the paths are JSONL conversation files, read by ``SFTDataset``
+            (``sft_dataset``; ``tokenizer`` an ``SFTTokenizer``).
 
     Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, built
     by ``tokenizer`` (one of ``build_tokenizer``'s).
@@ -99,13 +99,13 @@ def build_train_valid_test_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
-    from .sft import sft_dataset_class
+    from .sft_dataset import SFTDataset
 
     check_dataset_helpers()
     blend, blends = _blends(data_path, data_path_per_split, mock_data, sft)
     config = _dataset_config(tokenizer, seq_length, blend, split, seed, data_cache_path,
                              reset_position_ids, eod_mask_loss, blends, mmap_bin_files)
-    dataset_cls = sft_dataset_class() if sft else MockGPTDataset if mock_data else GPTDataset
+    dataset_cls = SFTDataset if sft else MockGPTDataset if mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
     )

@@ -1,5 +1,5 @@
-"""``--sft``: Megatron-LM's SFT data (``SFTTokenizer``, ``SFTDataset``) on megatron-core's
-dataset builder.
+"""``--sft``: Megatron-LM's SFT data: ``SFTTokenizer`` and its prompt formats, the JSONL files'
+checks and the packing of ``SFTDataset`` (``sft_dataset``).
 
 Each JSONL line is one sample: ``{"messages": [{"role", "content"}, ...]}``, a new conversation
 starting at every ``system`` message. A sample's conversations are tokenized with
@@ -11,7 +11,7 @@ to the pad id (Megatron-LM's rule).
 
 import json
 import os
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy
 import torch
@@ -70,8 +70,11 @@ class SFTTokenizer:
             raise ValueError(f"--tokenizer-model {model_path!r} is not a directory; "
                              "--tokenizer-type SFTTokenizer needs a local HuggingFace tokenizer "
                              "directory (what tokenizer.save_pretrained() wrote)")
-        from transformers import AutoTokenizer
-
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise ImportError("--tokenizer-type SFTTokenizer needs the 'transformers' package "
+                              "(pip install transformers)") from err
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
         except Exception as error:  # transformers raises OSError, ValueError, KeyError, ...
@@ -280,32 +283,3 @@ def check_sft_data_path(data_path: List[str], prompt_format: str, split: Optiona
         if split is not None:
             check_split(split, IndexSummary(path, None, numpy.ones(samples, numpy.int32),
                                             samples, samples, samples))
-
-
-def sft_dataset_class():
-    """``SFTDataset`` on megatron-core's ``MegatronDataset`` (imported when first built)."""
-    from megatron.core.datasets.megatron_dataset import MegatronDataset
-
-    class SFTDataset(MegatronDataset):
-        """Megatron-LM's ``SFTDataset``: sample ``i`` packs the conversations of the split's
-        line ``i`` (wrapping around), see ``pack``."""
-
-        @staticmethod
-        def numel_low_level_dataset(low_level_dataset: Any) -> int:
-            return len(low_level_dataset)
-
-        @staticmethod
-        def build_low_level_dataset(dataset_path: str, config: Any) -> JsonlConversations:
-            return JsonlConversations(dataset_path, config.tokenizer.prompt_format)
-
-        def __len__(self) -> int:
-            return self.num_samples
-
-        def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
-            tokenizer = self.config.tokenizer
-            messages = self.dataset[int(self.indices[idx % len(self.indices)])]
-            encoded = (tokenizer.tokenize_conversation(conversation)
-                       for conversation in split_conversations(messages))
-            return pack(encoded, self.config.sequence_length, tokenizer.pad)
-
-    return SFTDataset
