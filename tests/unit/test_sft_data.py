@@ -131,9 +131,28 @@ def test_sft_flag_rules(sft_tokenizer, extra, said):
                            sft_tokenizer] + extra, world_size=1)
 
 
+def test_sft_reads_no_mock_data(sft_tokenizer):
+    with pytest.raises(ConfigError, match="--sft reads JSONL conversations .* drop --mock-data"):
+        parse_args(BASE + ["--sft", "--mock-data", "--tokenizer-type", "SFTTokenizer",
+                           "--tokenizer-model", sft_tokenizer], world_size=1)
+
+
 def test_sft_flags_parse(sft_tokenizer):
     config = parse_args(BASE + ["--sft", "--data-path", str(SFT_JSONL), "--tokenizer-type",
                                 "SFTTokenizer", "--tokenizer-model", sft_tokenizer,
                                 "--sft-tokenizer-prompt-format", "identity"], world_size=1)
     assert config.data.sft and config.data.sft_tokenizer_prompt_format == "identity"
     assert config.data.data_path == (str(SFT_JSONL),)
+    assert config.warnings == ()
+
+
+def test_sft_warnings(sft_tokenizer):
+    config = parse_args(BASE + ["--sft", "--data-path", str(SFT_JSONL), "--tokenizer-type",
+                                "SFTTokenizer", "--tokenizer-model", sft_tokenizer,
+                                "--eod-mask-loss"], world_size=1)
+    assert any(w.startswith("--eod-mask-loss has no effect with --sft") for w in config.warnings)
+    config = parse_args(BASE + ["--mock-data", "--vocab-size", "64",
+                                "--sft-tokenizer-prompt-format", "identity"], world_size=1)
+    assert config.data.sft_tokenizer_prompt_format == "nemotron-h-aligned"
+    assert any(w.startswith("--sft-tokenizer-prompt-format has no effect without "
+                            "--tokenizer-type SFTTokenizer") for w in config.warnings)
