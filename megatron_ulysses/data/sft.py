@@ -16,7 +16,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy
 import torch
 
-from .datasets import DataError
+from .datasets import DataError, IndexSummary, check_split, parse_data_path
 
 IGNORE_INDEX = -100  # a target the loss never counts
 ROLES = ("system", "user", "assistant", "tool")
@@ -182,13 +182,14 @@ def _line_problem(line: bytes, masked: bool) -> Optional[str]:
     for n, conversation in enumerate(split_conversations(messages)):
         problem = _conversation_problem(conversation, masked)
         if problem:
-            return f"conversation {n + 1} (from its system message) {problem}"
+            return f"conversation {n + 1} {problem}"
     return None
 
 
 _SCANNED: Dict[Tuple[str, bool], numpy.ndarray] = {}
 FORMAT_HELP = ("each line is one sample {\"messages\": [{\"role\": \"system\"|\"user\"|"
-               "\"assistant\"|\"tool\", \"content\": \"...\"}, ...]}")
+               "\"assistant\"|\"tool\", \"content\": \"...\"}, ...]}, a new conversation "
+               "at every system message")
 
 
 def scan_jsonl(path: str, prompt_format: str, flag: str = "--data-path") -> numpy.ndarray:
@@ -276,8 +277,6 @@ def check_sft_data_path(data_path: List[str], prompt_format: str, split: Optiona
                         flag: str = "--data-path") -> None:
     """Every JSONL file of ``--data-path`` words exists and holds samples (``scan_jsonl``) and,
     with ``split``, every split with a positive weight gets some of them."""
-    from .datasets import IndexSummary, check_split, parse_data_path
-
     for path in dict.fromkeys(parse_data_path(data_path, flag, jsonl=True)[0]):
         samples = len(scan_jsonl(path, prompt_format, flag))
         if split is not None:

@@ -133,6 +133,6 @@ def test_a_bad_jsonl_line_is_one_message_naming_file_and_line(sft_tokenizer, tmp
     assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
     errors = [line for line in run.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and errors[0].startswith(
-        f"pretrain_gpt.py: error: --train-data-path {str(data)!r} line 5 conversation 1 (from "
-        "its system message) has no assistant turn"), run.stderr[-3000:]
+        f"pretrain_gpt.py: error: --train-data-path {str(data)!r} line 5 conversation 1 has no "
+        "assistant turn"), run.stderr[-3000:]
     assert not (tmp_path / "ckpt").exists()

@@ -87,12 +87,12 @@ def test_packed_segments_survive_sp_padding(sft_tokenizer):
     ('{"text": "a"}', "identity", 'line 2 has no "messages" list'),
     ('{"messages": [{"role": "bot", "content": "a"}]}', "identity", "line 2 message 1"),
     ('{"messages": [{"role": "user", "content": "a"}]}', "nemotron-h-aligned",
-     "line 2 conversation 1 (from its system message) has no assistant turn"),
+     "line 2 conversation 1 has no assistant turn"),
     ('{"messages": [{"role": "system", "content": "a"}, {"role": "assistant", "content": "b"}]}',
-     "nemotron-h-aligned", "line 2 conversation 1 (from its system message) has an assistant "
+     "nemotron-h-aligned", "line 2 conversation 1 has an assistant "
      "turn (message 2) that follows no user or tool turn"),
     ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]}',
-     "nemotron-nano-v2", "line 2 conversation 1 (from its system message) has an empty "
+     "nemotron-nano-v2", "line 2 conversation 1 has an empty "
      "assistant turn (message 2)"),
 ])
 def test_bad_line_is_named(tmp_path, line, fmt, problem):
