@@ -94,3 +94,12 @@ def hf_dir(tmp_path_factory):
     PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>",
                             pad_token="<pad>", unk_token="<unk>").save_pretrained(str(path))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def sft_tokenizer(tmp_path_factory):
+    """The SFT fixture's word-level HuggingFace tokenizer directory (tests/helpers/sft_data.py)."""
+    pytest.importorskip("transformers")
+    from sft_data import save_sft_tokenizer
+
+    return save_sft_tokenizer(tmp_path_factory.mktemp("sft") / "tokenizer")

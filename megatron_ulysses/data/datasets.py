@@ -66,6 +66,7 @@ def build_train_valid_test_datasets(
     eod_mask_loss: bool = False,
     data_path_per_split: Optional[Sequence[Optional[List[str]]]] = None,
     mmap_bin_files: bool = True,
+    sft: bool = False,
 ) -> Tuple:
     """Build (train, valid, test) megatron-core ``GPTDataset`` splits; a split is ``None`` when
     its weight in ``split`` is 0.
@@ -87,6 +88,8 @@ def build_train_valid_test_datasets(
             words (``None`` for a split not given): each split's own blend, no ``split``.
         mmap_bin_files: ``False`` (``--no-mmap-bin-files``): read ``.bin`` files with file
             reads instead of ``mmap``.
+        sft: ``--sft``: the paths are JSONL conversation files, read by ``SFTDataset``
+            (``sft_dataset``; ``tokenizer`` an ``SFTTokenizer``).
 
     Samples are dicts of ``tokens labels loss_mask position_ids``, each ``[seq_length]``, built
     by ``tokenizer`` (one of ``build_tokenizer``'s).
@@ -96,18 +99,20 @@ def build_train_valid_test_datasets(
     )
     from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
 
+    from .sft_dataset import SFTDataset
+
     check_dataset_helpers()
-    blend, blends = _blends(data_path, data_path_per_split, mock_data)
+    blend, blends = _blends(data_path, data_path_per_split, mock_data, sft)
     config = _dataset_config(tokenizer, seq_length, blend, split, seed, data_cache_path,
                              reset_position_ids, eod_mask_loss, blends, mmap_bin_files)
-    dataset_cls = MockGPTDataset if mock_data else GPTDataset
+    dataset_cls = SFTDataset if sft else MockGPTDataset if mock_data else GPTDataset
     builder = BlendedMegatronDatasetBuilder(
         dataset_cls, list(train_valid_test_num_samples), is_built_on_rank, config
     )
     return tuple(builder.build())
 
 
-def _blends(data_path, data_path_per_split, mock_data: bool):
+def _blends(data_path, data_path_per_split, mock_data: bool, sft: bool = False):
     """(the --data-path blend, the per-split blends): exactly one data source is given. The
     files' contents and the split are check_data_path's, run once by the trainer first."""
     per_split = any(data_path_per_split or ())
@@ -116,8 +121,8 @@ def _blends(data_path, data_path_per_split, mock_data: bool):
             f"give exactly one of --data-path (got {data_path!r}), --train/valid/test-data-path "
             f"(got {data_path_per_split!r}) and --mock-data (got {mock_data})"
         )
-    blend = parse_data_path(data_path) if data_path else None
-    blends = [parse_data_path(words, f"--{name}-data-path") if words else None
+    blend = parse_data_path(data_path, jsonl=sft) if data_path else None
+    blends = [parse_data_path(words, f"--{name}-data-path", sft) if words else None
               for name, words in zip(SPLIT_NAMES, data_path_per_split)] if per_split else None
     return blend, blends
 
@@ -330,10 +335,12 @@ def check_split(split: str, index: IndexSummary) -> None:
             f"weight to 0 to build no {name} split, or use more data")
 
 
-def parse_data_path(data_path: List[str], flag: str = "--data-path") -> Tuple:
+def parse_data_path(data_path: List[str], flag: str = "--data-path",
+                    jsonl: bool = False) -> Tuple:
     """``--data-path`` words -> megatron-core's blend ``(prefixes, weights or None)``; every
-    prefix must have its ``.bin/.idx`` files (their contents are ``check_data_path``'s). Raises
-    ``ValueError`` or ``FileNotFoundError`` naming the flag."""
+    prefix must have its ``.bin/.idx`` files (their contents are ``check_data_path``'s), or be a
+    file with ``jsonl`` (``--sft``). Raises ``ValueError`` or ``FileNotFoundError`` naming the
+    flag."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -348,6 +355,12 @@ def parse_data_path(data_path: List[str], flag: str = "--data-path") -> Tuple:
     if weights is not None and not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"{flag} {' '.join(data_path)!r}: blend weights must be "
                          f"positive, got {weights} (leave a prefix out to not read it)")
+    if jsonl:
+        missing = [path for path in blend[0] if not os.path.isfile(path)]
+        if missing:
+            raise FileNotFoundError(f"{flag} {missing}: no such file (--sft reads JSONL files "
+                                    "of conversations, one sample a line)")
+        return blend
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
         stems = [prefix[:-4] for prefix in missing if prefix.endswith((".bin", ".idx"))

@@ -52,25 +52,40 @@ def _document_starts(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     return starts
 
 
+def packed_starts(cu_seqlens: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """``[b, s]`` bool: True where a segment of a packed sample starts, from each sample's own
+    ``cu_seqlens`` ``[b, n]`` (``--sft``'s, trailing entries ``s``)."""
+    starts = torch.zeros(cu_seqlens.shape[0], seq_len, dtype=torch.bool)
+    rows, entries = torch.nonzero(cu_seqlens < seq_len, as_tuple=True)
+    starts[rows, cu_seqlens[rows, entries].to(torch.int64)] = True
+    starts[:, 0] = True
+    return starts
+
+
 def document_boundaries(
-    tokens: torch.Tensor, eod_id: int, valid_length: Optional[int] = None
+    tokens: torch.Tensor, eod_id: int, valid_length: Optional[int] = None,
+    starts: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, int]:
     """Cumulative document lengths of the batch-major flattened ``[b*s]`` sequence.
 
     A document starts at every sample start and after every EOD (Megatron-LM
-    ``reset_attention_mask``). Positions ``>= valid_length`` in each sample are padding and form
-    one final segment per sample, whatever their token ids.
+    ``reset_attention_mask``), or where ``starts`` says. Positions ``>= valid_length`` in each
+    sample are padding and form one final segment per sample, whatever their token ids.
 
     Args:
         tokens: ``[b, s]`` token ids.
         eod_id: end-of-document id.
         valid_length: unpadded length; ``None`` means ``s``.
+        starts: ``[b, valid_length]`` bool segment starts (``packed_starts``) instead of EODs.
     Returns:
         ``cu_seqlens`` int32 ``[num_segments + 1]`` (first 0, last ``b*s``) and ``max_seqlen``.
     """
     batch_size, seq_len = tokens.shape
     valid_length = seq_len if valid_length is None else valid_length
-    starts = _document_starts(tokens, eod_id)
+    if starts is None:
+        starts = _document_starts(tokens, eod_id)
+    else:
+        starts = torch.nn.functional.pad(starts, (0, seq_len - starts.shape[1]), value=False)
     starts[:, valid_length:] = False
     if valid_length < seq_len:
         starts[:, valid_length] = True
@@ -153,10 +168,12 @@ def get_batch_for_sp_rank(
     Applies ``--eod-mask-loss`` and ``--reset-position-ids`` (``apply_resets``) on the unpadded
     sequence, pads ``s`` to a multiple of ``P`` (padding: loss_mask 0, positions counting on),
     computes ``cu_seqlens``/``max_seqlen`` over the padded ``[b*s']`` sequence when
-    ``reset_attention_mask`` (padding is its own final segment per sample), then shards.
+    ``reset_attention_mask`` or the samples are packed (padding is its own final segment per
+    sample), then shards.
 
     Args:
-        sample_batch: ``tokens labels loss_mask position_ids``, each ``[b, s]``.
+        sample_batch: ``tokens labels loss_mask position_ids``, each ``[b, s]``; packed samples
+            (``--sft``) also ``cu_seqlens`` ``[b, s + 1]``, their segments' own boundaries.
         reset_position_ids, eod_mask_loss: needed only when the dataset was built without them
             (``build_train_valid_test_datasets``); passing them again changes nothing.
         vocab_size: the tokenizer's vocabulary size; when given, token ids outside
@@ -164,7 +181,7 @@ def get_batch_for_sp_rank(
             an index error in the embedding (a device-side assert on GPU).
     Returns:
         ``tokens labels loss_mask position_ids`` ``[b, s'/P]`` and, when
-        ``reset_attention_mask``, ``cu_seqlens`` (int32) and ``max_seqlen`` (int).
+        ``reset_attention_mask`` or packed, ``cu_seqlens`` (int32) and ``max_seqlen`` (int).
     """
     tokens = sample_batch["tokens"]
     if vocab_size is not None:
@@ -172,8 +189,10 @@ def get_batch_for_sp_rank(
     batch = apply_resets({key: sample_batch[key] for key in SEQUENCE_KEYS}, eod_id,
                          reset_position_ids, eod_mask_loss)
     batch = pad_to_multiple(batch, sp_size, pad_id)
-    if reset_attention_mask:
+    starts = (packed_starts(sample_batch["cu_seqlens"], tokens.shape[1])
+              if "cu_seqlens" in sample_batch else None)
+    if reset_attention_mask or starts is not None:
         batch["cu_seqlens"], batch["max_seqlen"] = document_boundaries(
-            batch["tokens"], eod_id, valid_length=tokens.shape[1]
+            batch["tokens"], eod_id, valid_length=tokens.shape[1], starts=starts
         )
     return shard_for_sp_rank(batch, sp_rank, sp_size)

@@ -14,6 +14,7 @@ TOKENIZER_TYPES = (
     "NullTokenizer",
     "Llama2Tokenizer",
     "TikTokenizer",
+    "SFTTokenizer",
 )
 
 # The tokenizer flags beyond the files: dest -> (default, the one --tokenizer-type reading it).

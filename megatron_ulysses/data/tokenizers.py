@@ -18,6 +18,8 @@ Four are ours because megatron-core has no tokenizer with their Megatron-LM ids:
 * ``Llama2Tokenizer``: Megatron-LM's (``--legacy-tokenizer``) puts the model's BOS before every
   text it tokenizes, with eod = eos; megatron-core maps the type to its plain sentencepiece
   library, which is ``GPTSentencePieceTokenizer`` here.
+
+``SFTTokenizer`` (``--sft``'s prompt formats) is in ``sft``: megatron-core 0.16 has none.
 """
 
 import json
@@ -25,6 +27,7 @@ import os
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+from .sft import DEFAULT_PROMPT_FORMAT, SFTTokenizer
 from .tokenizer_flags import (
     TIKTOKEN_SPECIAL_TOKENS,
     TOKENIZER_OPTIONS,
@@ -38,6 +41,7 @@ def build_tokenizer_from(config: Any):
     """``build_tokenizer`` for the tokenizer flags of ``config`` (attributes)."""
     return build_tokenizer(config.tokenizer_type, config.tokenizer_model, config.vocab_size,
                            vocab_file=config.vocab_file, merge_file=config.merge_file,
+                           prompt_format=getattr(config, "sft_tokenizer_prompt_format", None),
                            **tokenizer_options(config))
 
 
@@ -418,6 +422,7 @@ def build_tokenizer(
     vocab_extra_ids: int = 0,
     vocab_file: Optional[str] = None,
     merge_file: Optional[str] = None,
+    prompt_format: Optional[str] = None,
     **options: Any,
 ):
     """Build the tokenizer named by ``--tokenizer-type``.
@@ -425,7 +430,8 @@ def build_tokenizer(
     ``tokenizer_model`` (``--tokenizer-model``) is a sentencepiece ``.model`` file, a local
     HuggingFace tokenizer directory or a tiktoken JSON vocabulary; ``vocab_size``
     (``--vocab-size``) is for ``NullTokenizer`` and ``TikTokenizer``; ``vocab_file`` and
-    ``merge_file`` (``--vocab-file``, ``--merge-file``) for ``GPT2BPETokenizer``; ``options``
+    ``merge_file`` (``--vocab-file``, ``--merge-file``) for ``GPT2BPETokenizer``;
+    ``prompt_format`` (``--sft-tokenizer-prompt-format``) for ``SFTTokenizer``; ``options``
     are the other ``TOKENIZER_OPTIONS`` (their flags' dests), defaults where not given.
     """
     if tokenizer_type not in TOKENIZER_TYPES:
@@ -456,6 +462,8 @@ def build_tokenizer(
         "HuggingFaceTokenizer": lambda: _huggingface_tokenizer(
             tokenizer_model, option["tokenizer_hf_use_fast"],
             option["tokenizer_hf_include_special_tokens"], option["trust_remote_code"]),
+        "SFTTokenizer": lambda: SFTTokenizer(tokenizer_model,
+                                             prompt_format or DEFAULT_PROMPT_FORMAT),
     }
     return builders[tokenizer_type]()
 

@@ -1,8 +1,11 @@
 """The run's inputs: the tokenizer and data files checked before any process group, and the
 sequence-sharded train and validation batches (resumed where the run left them)."""
 
+import functools
+
 from ..data.batches import Batches
 from ..data.datasets import SPLIT_NAMES, build_train_valid_test_datasets, check_data_path
+from ..data.sft import check_sft_data_path
 from ..data.tokenizers import build_tokenizer_from, check_for_training
 from ..errors import ConfigError
 from .batch_schedule import samples_after
@@ -11,17 +14,21 @@ from .config import RunConfig
 
 def check_inputs(config: RunConfig):
     """Before any process group: a tokenizer file that does not load or has no EOD, damaged
-    .idx/.bin files, and a --split that gives a split no documents (which megatron-core would
-    try to fill forever). The only full read of the .idx files. Returns the tokenizer."""
+    .idx/.bin files (--sft: bad JSONL lines), and a --split that gives a split no documents
+    (which megatron-core would try to fill forever). The only full read of the .idx files (and
+    of --sft's JSONL files). Returns the tokenizer."""
     data = config.data
     try:
         tokenizer = build_tokenizer_from(data)
         check_for_training(tokenizer, data.tokenizer_type, data.tokenizer_model)
+        check = (functools.partial(check_sft_data_path,
+                                   prompt_format=data.sft_tokenizer_prompt_format)
+                 if data.sft else check_data_path)
         if data.data_path:
-            check_data_path(list(data.data_path), split=data.split)
+            check(list(data.data_path), split=data.split)
         for name, words in zip(SPLIT_NAMES, data.data_path_per_split or ()):
             if words:
-                check_data_path(words, flag=f"--{name}-data-path")
+                check(words, flag=f"--{name}-data-path")
     except (ValueError, ImportError, OSError, RuntimeError) as error:
         raise ConfigError(str(error)) from None
     return tokenizer
@@ -48,7 +55,7 @@ def build_batches(config: RunConfig, tokenizer, iteration: int, consumed: int):
         reset_position_ids=config.data.reset_position_ids,
         eod_mask_loss=config.data.eod_mask_loss,
         data_path_per_split=config.data.data_path_per_split,
-        mmap_bin_files=not config.data.no_mmap_bin_files,
+        mmap_bin_files=not config.data.no_mmap_bin_files, sft=config.data.sft,
     )
     mbs = training.micro_batch_size
     train = Batches(train_ds, consumed, mbs, config.data, tokenizer) if train_ds else None

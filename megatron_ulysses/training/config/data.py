@@ -5,9 +5,10 @@ from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from ...data.datasets import SPLIT_NAMES, parse_data_path, parse_split, unquote
+from ...data.sft import DEFAULT_PROMPT_FORMAT, PROMPT_FORMATS
 from ...data.tokenizer_flags import add_tokenizer_arguments, check_tokenizer_flags
 from ...errors import ConfigError
-from .checks import Context, check_output_dir, check_range, require
+from .checks import Context, check_output_dir, check_range, ignore_without, require
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,8 @@ class DataConfig:
     reset_position_ids: bool
     reset_attention_mask: bool
     eod_mask_loss: bool
+    sft: bool
+    sft_tokenizer_prompt_format: str
     # The TOKENIZER_OPTIONS (data/tokenizer_flags.py): build_tokenizer_from reads them by name.
     vocab_extra_ids: int
     tokenizer_special_tokens: Optional[Tuple[str, ...]]
@@ -75,6 +78,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--reset-position-ids", action="store_true")
     g.add_argument("--reset-attention-mask", action="store_true")
     g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--sft", action="store_true", help="fine-tune on the JSONL conversations "
+                   "of --data-path, packed into --seq-length (docs/training.md)")
+    g.add_argument("--sft-tokenizer-prompt-format", choices=tuple(PROMPT_FORMATS),
+                   default=DEFAULT_PROMPT_FORMAT, help="SFTTokenizer's prompt format")
 
 
 def _read_data_args(args) -> None:
@@ -105,6 +112,28 @@ def _read_data_args(args) -> None:
                               f"paths ({error})") from None
 
 
+def _check_sft(args, ctx: Context) -> None:
+    """--sft: JSONL data, SFTTokenizer, positions and attention restarted by the dataset."""
+    if args.tokenizer_type != "SFTTokenizer":
+        ignore_without(args, ctx, "--tokenizer-type SFTTokenizer", (
+            ("--sft-tokenizer-prompt-format", "sft_tokenizer_prompt_format",
+             DEFAULT_PROMPT_FORMAT),))
+    if not args.sft:
+        return
+    require(not args.mock_data, "--sft reads JSONL conversations from --data-path (or "
+            "--train/valid/test-data-path); drop --mock-data")
+    require(args.tokenizer_type == "SFTTokenizer",
+            f"--sft needs --tokenizer-type SFTTokenizer (got {args.tokenizer_type}) with a "
+            "HuggingFace tokenizer directory as --tokenizer-model, as in Megatron-LM")
+    given = [flag for flag, on in (("--reset-position-ids", args.reset_position_ids),
+                                   ("--reset-attention-mask", args.reset_attention_mask)) if on]
+    require(not given, f"--sft restarts positions and attention at every conversation itself; "
+            f"drop {' and '.join(given)}")
+    if args.eod_mask_loss:
+        ctx.warnings.append("--eod-mask-loss has no effect with --sft (as in Megatron-LM): the "
+                            "prompt format decides which tokens are in the loss")
+
+
 def check_values(args) -> None:
     check_range(args, "vocab_size", low=0, low_open=True, optional=True)
     check_range(args, "num_workers", low=0)
@@ -131,11 +160,12 @@ def validate(args, ctx: Context) -> None:
     if args.tokenizer_type is None:
         args.tokenizer_type = ("NullTokenizer" if args.mock_data and args.vocab_file is None
                                else "GPT2BPETokenizer")
+    _check_sft(args, ctx)
     try:  # the files' contents are checked by pretrain_gpt.py (check_data_path)
         for flag, words in [("--data-path", args.data_path)] + [
                 (f"--{name}-data-path", words) for name, words in per_split.items()]:
             if words:
-                parse_data_path(words, flag)
+                parse_data_path(words, flag, jsonl=args.sft)
                 setattr(args, flag[2:].replace("-", "_"), tuple(words))
     except (ValueError, OSError) as error:
         raise ConfigError(str(error)) from None

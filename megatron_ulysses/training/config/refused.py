@@ -60,8 +60,8 @@ OUT_OF_SCOPE = (
     ("hybrid / Mamba / heterogeneous layers", "every layer is the same transformer layer",
      ("--mamba-", "--disable-mamba-", "--hybrid-", "--heterogeneous-layers-"),
      ("--spec", "--is-hybrid-model", "--max-seqlen-per-dp-cp-rank")),
-    ("distillation / ModelOpt / SFT", "use Megatron-LM's post-training scripts",
-     ("--logits-", "--export-", "--sft"), ("--chat-template", "--modelopt-enabled")),
+    ("distillation / ModelOpt", "use Megatron-LM's post-training scripts",
+     ("--logits-", "--export-"), ("--chat-template", "--modelopt-enabled")),
     ("FIM data", "Megatron-LM's fill-in-the-middle dataset is not in megatron-core",
      ("--fim-",), ()),
     ("FP4 and custom quantization", "FP8 (--fp8-format with the delayed, tensorwise, "
