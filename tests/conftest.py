@@ -15,6 +15,7 @@ TINY_VOCAB = 1000
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 sys.path.insert(0, str(REPO_ROOT / "tests"))  # `from conftest import REPO_ROOT`
 sys.path.insert(0, str(REPO_ROOT / "tests" / "helpers"))  # `from distributed import spawn`
+sys.path.append(str(REPO_ROOT / "tests" / "unit"))  # integration files reuse its flag cases
 # Every process the tests start skips the shutdown garbage collection (fast_exit/sitecustomize.py)
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [
     str(REPO_ROOT / "tests" / "helpers" / "fast_exit"), os.environ.get("PYTHONPATH")]))
