@@ -100,7 +100,7 @@ def check_args(path: str, saved: dict, run: dict) -> None:
         hint = _vocab_hint(saved, run) if vocab else ""
         raise ConfigError(f"--load {path} was saved with another model: {details}. Run with "
                           f"the checkpoint's values{hint}")
-    if run["position_embedding_type"] == "rope" and saved.get("rotary_base") not in \
+    if run["position_embedding_type"] in ("rope", "yarn") and saved.get("rotary_base") not in \
             (None, run["rotary_base"]):
         print_rank_0(f" WARNING: --rotary-base {run['rotary_base']} differs from the checkpoint's "
                      f"{saved['rotary_base']} (--load {path})")
