@@ -406,13 +406,19 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
                                           else "sdpa")
 
 
-_YARN_OPTIONS = tuple((flag_name(name), name, None if name.startswith("yarn_") else default)
-                      for name, default in YARN_DEFAULTS.items())
+def _yarn_options(args) -> tuple:
+    """(flag, dest, default) of the YaRN flags, as given (--no-yarn-correction-...)."""
+    def given(name):
+        off = name == "yarn_correction_range_round_to_int" and getattr(args, name) is False
+        return "--no-" + flag_name(name)[2:] if off else flag_name(name)
+
+    return tuple((given(name), name, None if name.startswith("yarn_") else default)
+                 for name, default in YARN_DEFAULTS.items())
 
 
 def _check_rope(args, ctx: Context) -> None:
     if args.position_embedding_type != "yarn":  # megatron-core reads them only with yarn
-        ignore_without(args, ctx, "--position-embedding-type yarn", _YARN_OPTIONS)
+        ignore_without(args, ctx, "--position-embedding-type yarn", _yarn_options(args))
     if args.position_embedding_type not in ("rope", "yarn"):  # no rotary embedding built
         ignore_without(args, ctx, "--position-embedding-type rope", (
             ("--use-rope-scaling", "use_rope_scaling", False),
