@@ -32,7 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .data.vocab import padded_vocab_size
-from .hf_rope import put_rope, rope_model_args
+from .hf_rope import put_rope, refuse as _refuse, rope_model_args
 
 Tensor = torch.Tensor
 
@@ -58,17 +58,13 @@ _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)  # buffers of old transformers versi
 # ------------------------------------------------------------------------------------ configs
 
 
-def _refuse(field: str, value, why: str):
-    raise ValueError(f"unsupported Hugging Face config: {field}={value!r}: {why}")
-
-
 def model_type_of(config: dict) -> str:
     """The model_type ("llama", "mistral", "qwen2", "qwen3") of an HF config.json dict;
     ValueError for any other `architectures` / `model_type`, or when the two disagree."""
     archs = config.get("architectures")
     model_type = config.get("model_type")
-    refused = (archs or [None])[0] if (archs or [None])[0] in REFUSED_ARCHITECTURES else \
-        _REFUSED_MODEL_TYPES.get(model_type)
+    arch = archs[0] if archs else None
+    refused = arch if arch in REFUSED_ARCHITECTURES else _REFUSED_MODEL_TYPES.get(model_type)
     if refused:
         _refuse("architectures", [refused], REFUSED_ARCHITECTURES[refused])
     if archs:

@@ -24,7 +24,8 @@ _REFUSED_ROPE_TYPES = {
 }
 
 
-def _refuse(field: str, value, why: str):
+def refuse(field: str, value, why: str):
+    """ValueError naming the HF config field, its value and why it cannot convert."""
     raise ValueError(f"unsupported Hugging Face config: {field}={value!r}: {why}")
 
 
@@ -36,8 +37,8 @@ def rope_parameters(config: dict) -> dict:
     if config.get("rope_parameters") is not None:
         params = dict(config["rope_parameters"])
         if "rope_theta" not in params and "rope_type" not in params:
-            _refuse("rope_parameters", config["rope_parameters"],
-                    "per-layer-type RoPE parameters are not supported")
+            refuse("rope_parameters", config["rope_parameters"],
+                   "per-layer-type RoPE parameters are not supported")
     else:
         params = dict(config.get("rope_scaling") or {})
         params.setdefault("rope_theta", config.get("rope_theta", _HF_ROPE_DEFAULT_THETA))
@@ -75,13 +76,13 @@ def _yarn_model_args(params: dict, config: dict) -> dict:
         return args
     if attention_factor != yarn_attention_factor(args):
         if factor <= 1:
-            _refuse("rope_scaling.attention_factor", attention_factor,
-                    "megatron-core's YaRN scales cos / sin by 1 when factor <= 1")
+            refuse("rope_scaling.attention_factor", attention_factor,
+                   "megatron-core's YaRN scales cos / sin by 1 when factor <= 1")
         # megatron-core's factor is mscale's: solve 0.1 * mscale * ln(factor) + 1 = it
         args["mscale"] = (attention_factor - 1.0) / (0.1 * math.log(factor))
         if not math.isclose(yarn_attention_factor(args), attention_factor, rel_tol=1e-12):
-            _refuse("rope_scaling.attention_factor", attention_factor,
-                    "megatron-core's YaRN (--mscale) cannot express it exactly")
+            refuse("rope_scaling.attention_factor", attention_factor,
+                   "megatron-core's YaRN (--mscale) cannot express it to 1e-12")
     return args
 
 
@@ -94,7 +95,7 @@ def rope_model_args(config: dict) -> dict:
     rope_type = params["rope_type"]
     partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
-        _refuse("partial_rotary_factor", partial, "only full rotary embeddings are supported")
+        refuse("partial_rotary_factor", partial, "only full rotary embeddings are supported")
     args = {"position_embedding_type": "rope",
             "rotary_base": _int_if_integral(params["rope_theta"])}
     if rope_type == "default":
@@ -102,17 +103,17 @@ def rope_model_args(config: dict) -> dict:
     if rope_type == "llama3":
         for key, value in MCORE_LLAMA3_ROPE.items():
             if params.get(key) != value:
-                _refuse(f"rope_scaling.{key}", params.get(key),
-                        f"megatron-core's llama3 RoPE scaling hard-codes {key}={value}")
+                refuse(f"rope_scaling.{key}", params.get(key),
+                       f"megatron-core's llama3 RoPE scaling hard-codes {key}={value}")
         if params.get("attention_factor", 1.0) != 1.0:
-            _refuse("rope_scaling.attention_factor", params["attention_factor"],
-                    "llama3 RoPE scaling has no attention factor")
+            refuse("rope_scaling.attention_factor", params["attention_factor"],
+                   "llama3 RoPE scaling has no attention factor")
         return {**args, "use_rope_scaling": True, "rope_scaling_factor": params["factor"]}
     if rope_type == "linear":
         return {**args, "rotary_seq_len_interpolation_factor": _int_if_integral(params["factor"])}
     if rope_type == "yarn":
         return {**args, "position_embedding_type": "yarn", **_yarn_model_args(params, config)}
-    _refuse("rope_scaling.rope_type", rope_type, _REFUSED_ROPE_TYPES.get(
+    refuse("rope_scaling.rope_type", rope_type, _REFUSED_ROPE_TYPES.get(
         rope_type, "megatron-core's GPTModel supports 'default', 'llama3', 'linear' and 'yarn'"))
 
 

@@ -31,6 +31,7 @@ DATA_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters",
             "2", "--num-workers", "0", "--eval-iters", "0"]
 BASE = DATA_RUN + ["--mock-data", "--vocab-size", "64"]
+YARN = ["--position-embedding-type", "yarn"]
 
 
 def problem(argv, world_size=1) -> str:
@@ -82,13 +83,13 @@ def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, na
     (["--num-distributed-optimizer-instances", "2"],
      ["--num-distributed-optimizer-instances", "CUDA"]),
     (["--squared-relu", "--swiglu"], ["--squared-relu and --swiglu"]),
-    (["--position-embedding-type", "yarn", "--rotary-interleaved"], ["--position-embedding-type yarn rotates halves",
+    (YARN + ["--rotary-interleaved"], ["--position-embedding-type yarn rotates halves",
                                        "drop --rotary-interleaved"]),
-    (["--position-embedding-type", "yarn", "--rotary-percent", "0.5"], ["ignores --rotary-percent 0.5"]),
-    (["--position-embedding-type", "yarn", "--use-rope-scaling"], ["--use-rope-scaling: another RoPE scaling"]),
-    (["--position-embedding-type", "yarn", "--rotary-scaling-factor", "0"], ["--rotary-scaling-factor must be positive"]),
-    (["--position-embedding-type", "yarn", "--yarn-beta-fast", "-1"], ["--yarn-beta-fast must be positive, got -1"]),
-    (["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4", "--mscale-all-dim", "-10"],
+    (YARN + ["--rotary-percent", "0.5"], ["ignores --rotary-percent 0.5"]),
+    (YARN + ["--use-rope-scaling"], ["--use-rope-scaling: another RoPE scaling"]),
+    (YARN + ["--rotary-scaling-factor", "0"], ["--rotary-scaling-factor must be positive"]),
+    (YARN + ["--yarn-beta-fast", "-1"], ["--yarn-beta-fast must be positive, got -1"]),
+    (YARN + ["--rotary-scaling-factor", "4", "--mscale-all-dim", "-10"],
      ["0.1 x --mscale-all-dim (-10.0) x ln(--rotary-scaling-factor 4.0)", "must be positive"]),
     (["--recompute-activations", "--recompute-granularity", "full",
       "--recompute-method", "block"], ["--recompute-activations", "full"]),
