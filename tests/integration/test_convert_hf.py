@@ -349,7 +349,8 @@ def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path, capsys)
 def test_qwen3_with_yarn_imports_trains_at_4x_its_context_resumes_and_exports(tmp_path):
     # A tiny Qwen3 (q/k norms, head_dim 32 != 64 / 4) with YaRN from a 16-token original context
     # to 64 (factor 4): the import round-trips bitwise, trains at 64 tokens at SP 1 and SP 2 with
-    # the same losses, its checkpoint keeps the YaRN flags, a resume at SP 2 continues SP 1's
+    # the same losses, its checkpoint keeps the YaRN flags (--use-checkpoint-args takes them,
+    # the command line's first), a resume at SP 2 continues SP 1's
     # uninterrupted run, and the trained checkpoint exports with the same config.json.
     from megatron_ulysses.training.checkpoint.load import read_checkpoint_args
 
@@ -370,6 +371,17 @@ def test_qwen3_with_yarn_imports_trains_at_4x_its_context_resumes_and_exports(tm
     assert (saved["position_embedding_type"], saved["rotary_scaling_factor"],
             saved["yarn_original_max_position_embeddings"], saved["qk_layernorm"],
             saved["kv_channels"]) == ("yarn", 4.0, 16, True, 32)
+    # --use-checkpoint-args takes the YaRN flags where the command line gives none
+    from megatron_ulysses.training.arguments import parse_args
+
+    run = ["--load", str(checkpoint), "--use-checkpoint-args", "--mock-data", "--vocab-size",
+           str(VOCAB - 1), "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1"]
+    taken = parse_args(run, world_size=1).model
+    assert (taken.rotary_scaling_factor, taken.yarn_correction_range_round_to_int) == (4.0, True)
+    given = parse_args(run + ["--rotary-scaling-factor", "8",
+                              "--no-yarn-correction-range-round-to-int"], world_size=1).model
+    assert (given.rotary_scaling_factor, given.yarn_correction_range_round_to_int,
+            given.yarn_original_max_position_embeddings) == (8.0, False, 16)
     constant = ("--lr-decay-style", "constant")  # 2 and 3 iterations: the same learning rates
     expected = losses(_train(1, checkpoint, "--train-iters", "3", *constant))
     assert sorted(expected) == [1, 2, 3]
