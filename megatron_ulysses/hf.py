@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Qwen2 <-> megatron-core GPTModel: configs and weights.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> megatron-core GPTModel: configs and weights.
 
 Pure functions on plain dicts and tensors (no process group, no file I/O, no `transformers`).
 
@@ -11,6 +11,8 @@ Layouts (megatron-core, `rotary_interleaved=False`):
   * `linear_qkv.weight` `[G * (H/G + 2) * d, h]`: per query group g the H/G query heads of g,
     then k_g, then v_g; TP rank r holds the r-th of T equal row blocks (whole groups when
     G % T == 0). `linear_qkv.bias` (Qwen2) has the same row layout.
+  * `q_layernorm.weight`, `k_layernorm.weight` `[d]` (Qwen3's per-head q_norm / k_norm, applied
+    before RoPE in both): replicated.
   * `linear_fc1.weight` (SwiGLU) `[2F, h]` = [gate; up]; TP rank r holds
     [gate block r; up block r] `[2F/T, h]`.
   * `linear_proj.weight` `[h, H*d]`, `linear_fc2.weight` `[h, F]`: split on the input dim.
@@ -21,7 +23,7 @@ Layouts (megatron-core, `rotary_interleaved=False`):
     `mlp.linear_fc1.layer_norm_weight` (Transformer Engine spec).
 
 HF's Llama RoPE (`rotate_half` on the two halves of each head) is megatron-core's default
-non-interleaved RoPE, so q/k rows need no permutation.
+non-interleaved RoPE, so q/k rows need no permutation. RoPE parameters: `hf_rope.py`.
 """
 
 import copy
@@ -30,6 +32,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .data.vocab import padded_vocab_size
+from .hf_rope import put_rope, refuse as _refuse, rope_model_args
 
 Tensor = torch.Tensor
 
@@ -37,30 +40,33 @@ ARCHITECTURES = {  # HF architecture -> model_type
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
+# Architectures refused by name, with why.
+REFUSED_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "Qwen3-MoE is a mixture-of-experts model and megatron_ulysses builds "
+                           "dense layers only; the dense Qwen3ForCausalLM models convert",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE is a mixture-of-experts model and megatron_ulysses builds "
+                           "dense layers only; the dense Qwen2ForCausalLM models convert",
+}
+_REFUSED_MODEL_TYPES = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
 SPECS = ("local", "te")
 
-# megatron-core's RotaryEmbedding._apply_scaling (0.16 and 0.19) takes only the factor; these are
-# its hard-coded llama3 parameters.
-MCORE_LLAMA3_ROPE = {
-    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
-}
-_HF_ROPE_DEFAULT_THETA = 10000.0
 _IGNORED_HF_KEYS = ("rotary_emb.inv_freq",)  # buffers of old transformers versions
 
 
 # ------------------------------------------------------------------------------------ configs
 
 
-def _refuse(field: str, value, why: str):
-    raise ValueError(f"unsupported Hugging Face config: {field}={value!r}: {why}")
-
-
 def model_type_of(config: dict) -> str:
-    """The model_type ("llama", "mistral", "qwen2") of an HF config.json dict; ValueError for any
-    other `architectures` / `model_type`, or when the two disagree."""
+    """The model_type ("llama", "mistral", "qwen2", "qwen3") of an HF config.json dict;
+    ValueError for any other `architectures` / `model_type`, or when the two disagree."""
     archs = config.get("architectures")
     model_type = config.get("model_type")
+    arch = archs[0] if archs else None
+    refused = arch if arch in REFUSED_ARCHITECTURES else _REFUSED_MODEL_TYPES.get(model_type)
+    if refused:
+        _refuse("architectures", [refused], REFUSED_ARCHITECTURES[refused])
     if archs:
         if len(archs) != 1 or archs[0] not in ARCHITECTURES:
             _refuse("architectures", archs, f"supported: one of {sorted(ARCHITECTURES)}")
@@ -73,68 +79,13 @@ def model_type_of(config: dict) -> str:
     return model_type
 
 
-def rope_parameters(config: dict) -> dict:
-    """The RoPE parameters of an HF config in transformers 5's form {"rope_type", "rope_theta",
-    ...}, from `rope_parameters` (transformers >= 5) or `rope_theta` + `rope_scaling` (older
-    config.json files; the legacy key "type" is read as "rope_type")."""
-    if config.get("rope_parameters") is not None:
-        params = dict(config["rope_parameters"])
-        if "rope_theta" not in params and "rope_type" not in params:
-            _refuse("rope_parameters", config["rope_parameters"],
-                    "per-layer-type RoPE parameters are not supported")
-    else:
-        params = dict(config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", config.get("rope_theta", _HF_ROPE_DEFAULT_THETA))
-    if "type" in params:
-        params.setdefault("rope_type", params.pop("type"))
-    params.setdefault("rope_type", "default")
-    params.setdefault("rope_theta", config.get("rope_theta", _HF_ROPE_DEFAULT_THETA))
-    if params["rope_type"] == "llama3":
-        params.setdefault("original_max_position_embeddings", config.get("max_position_embeddings"))
-    return params
-
-
-def _int_if_integral(value):
-    return int(value) if float(value).is_integer() else value
-
-
-def rope_model_args(config: dict) -> dict:
-    """HF RoPE parameters -> Megatron-LM flags: rotary_base, and use_rope_scaling +
-    rope_scaling_factor (llama3, with megatron-core's hard-coded low/high frequency factors and
-    original context) or rotary_seq_len_interpolation_factor (linear). ValueError otherwise."""
-    params = rope_parameters(config)
-    rope_type = params["rope_type"]
-    partial = params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        _refuse("partial_rotary_factor", partial, "only full rotary embeddings are supported")
-    args = {"position_embedding_type": "rope",
-            "rotary_base": _int_if_integral(params["rope_theta"])}
-    if rope_type == "default":
-        return args
-    if rope_type == "llama3":
-        for key, value in MCORE_LLAMA3_ROPE.items():
-            if params.get(key) != value:
-                _refuse(f"rope_scaling.{key}", params.get(key),
-                        f"megatron-core's llama3 RoPE scaling hard-codes {key}={value}")
-        if params.get("attention_factor", 1.0) != 1.0:
-            _refuse("rope_scaling.attention_factor", params["attention_factor"],
-                    "llama3 RoPE scaling has no attention factor")
-        return {**args, "use_rope_scaling": True, "rope_scaling_factor": params["factor"]}
-    if rope_type == "linear":
-        return {**args, "rotary_seq_len_interpolation_factor": _int_if_integral(params["factor"])}
-    _refuse("rope_scaling.rope_type", rope_type,
-            "megatron-core's GPTModel RoPE supports 'default', 'llama3' and 'linear' only "
-            "('dynamic' depends on the run-time sequence length; 'yarn', 'longrope' have no exact "
-            "megatron-core equivalent here)")
-
-
 def _check_attention_window(config: dict, model_type: str) -> None:
     """ValueError for sliding-window attention (every layer must be full attention)."""
     if model_type == "mistral" and config.get("sliding_window") is not None:
         _refuse("sliding_window", config["sliding_window"],
                 "sliding-window attention is not supported (full causal attention only); "
                 "set it to null to convert the model as full attention")
-    if model_type == "qwen2" and config.get("use_sliding_window"):
+    if model_type in ("qwen2", "qwen3") and config.get("use_sliding_window"):
         _refuse("use_sliding_window", True, "sliding-window attention is not supported")
     for layer_type in config.get("layer_types") or ():
         if layer_type != "full_attention":
@@ -150,9 +101,15 @@ def _check_biases(config: dict, model_type: str) -> None:
         _refuse("mlp_bias", True, "MLP biases are not supported")
 
 
+def _head_dim(config: dict, model_type: str) -> int:
+    """head_dim, with transformers' default: 128 for Qwen3, else hidden / heads."""
+    default = 128 if model_type == "qwen3" else None
+    return config.get("head_dim", default) or config["hidden_size"] // config["num_attention_heads"]
+
+
 def model_args_from_hf_config(config: dict) -> dict:
-    """HF config.json dict (Llama, Mistral, Qwen2) -> our pretrain_gpt.py model flags, as a dict
-    of Megatron-LM argument names. ValueError naming the field and value for anything the
+    """HF config.json dict (Llama, Mistral, Qwen2, Qwen3) -> our pretrain_gpt.py model flags, as
+    a dict of Megatron-LM argument names. ValueError naming the field and value for anything the
     conversion cannot express exactly."""
     model_type = model_type_of(config)
     if config.get("hidden_act", "silu") != "silu":
@@ -171,7 +128,7 @@ def model_args_from_hf_config(config: dict) -> dict:
         "num_attention_heads": heads,
         "group_query_attention": groups != heads,
         "num_query_groups": groups,
-        "kv_channels": config.get("head_dim") or config["hidden_size"] // heads,
+        "kv_channels": _head_dim(config, model_type),
         "max_position_embeddings": config["max_position_embeddings"],
         **rope_model_args(config),
         "normalization": "RMSNorm",
@@ -180,6 +137,7 @@ def model_args_from_hf_config(config: dict) -> dict:
         "untie_embeddings_and_output_weights": not config.get("tie_word_embeddings", False),
         "disable_bias_linear": True,
         "add_qkv_bias": model_type == "qwen2",
+        "qk_layernorm": model_type == "qwen3",
         "vocab_size": config["vocab_size"],
         "attention_dropout": float(config.get("attention_dropout", 0.0)),
         "hidden_dropout": 0.0,  # these HF models have no hidden dropout
@@ -190,28 +148,19 @@ def model_args_from_hf_config(config: dict) -> dict:
 def _check_exportable(args: dict, model_type: str) -> None:
     """ValueError for model flags the HF architecture cannot express."""
     needs = {"normalization": "RMSNorm", "swiglu": True, "disable_bias_linear": True,
-             "position_embedding_type": "rope", "add_qkv_bias": model_type == "qwen2"}
+             "add_qkv_bias": model_type == "qwen2", "qk_layernorm": model_type == "qwen3"}
     for key, value in needs.items():
         if args.get(key, value) != value:
             raise ValueError(f"cannot export to {model_type}: {key}={args.get(key)!r} "
                              f"(needs {value!r})")
-    for key, value in (("qk_layernorm", False), ("rotary_percent", 1.0),
+    if args.get("position_embedding_type", "rope") not in ("rope", "yarn"):
+        raise ValueError(f"cannot export to {model_type}: position_embedding_type="
+                         f"{args['position_embedding_type']!r} (needs 'rope' or 'yarn')")
+    for key, value in (("rotary_percent", 1.0),
                        ("rotary_interleaved", False), ("apply_layernorm_1p", False),
                        ("squared_relu", False)):
         if args.get(key, value) != value:
             raise ValueError(f"cannot export to {model_type}: {key}={args[key]!r}")
-
-
-def hf_rope_parameters_from_model_args(args: dict) -> dict:
-    """Megatron-LM RoPE flags -> HF RoPE parameters {"rope_type", "rope_theta", ...}."""
-    params = {"rope_theta": args.get("rotary_base", _HF_ROPE_DEFAULT_THETA)}
-    if args.get("use_rope_scaling"):
-        return {"rope_type": "llama3", **params, "factor": args.get("rope_scaling_factor", 8.0),
-                **MCORE_LLAMA3_ROPE}
-    if args.get("rotary_seq_len_interpolation_factor") is not None:
-        return {"rope_type": "linear", **params,
-                "factor": args["rotary_seq_len_interpolation_factor"]}
-    return {"rope_type": "default", **params}
 
 
 def _put(config: dict, key: str, value) -> None:
@@ -220,25 +169,10 @@ def _put(config: dict, key: str, value) -> None:
         config[key] = value
 
 
-def _put_rope(config: dict, args: dict) -> None:
-    """Write the RoPE parameters in the base config's form (transformers 5 `rope_parameters`, or
-    `rope_theta` + `rope_scaling`), leaving a base entry that already agrees as it is."""
-    wanted = hf_rope_parameters_from_model_args(args)
-    if "rope_parameters" in config or "rope_theta" in config:
-        have = rope_parameters(config)
-        if all(have.get(key) == value for key, value in wanted.items()):
-            return
-    if config.get("rope_parameters") is not None:
-        config["rope_parameters"] = wanted
-        return
-    config["rope_theta"] = wanted.pop("rope_theta")
-    config["rope_scaling"] = None if wanted["rope_type"] == "default" else wanted
-
-
 def hf_config_from_model_args(args: dict, architecture: str,
                               base_config: Optional[dict] = None) -> dict:
     """Our model flags (Megatron-LM names) -> HF config.json dict for `architecture`
-    ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", or its model_type). Starts
+    (one of `ARCHITECTURES`, or its model_type). Starts
     from a copy of `base_config` (the imported model's config: token ids, dtype, ... survive),
     and leaves its values that already agree untouched, so
     `hf_config_from_model_args(model_args_from_hf_config(c), arch, c) == c`."""
@@ -270,16 +204,18 @@ def hf_config_from_model_args(args: dict, architecture: str,
         ("attention_dropout", args.get("attention_dropout", 0.0)),
     ):
         _put(config, key, value)
-    if head_dim != args["hidden_size"] // heads or "head_dim" in config:
+    if head_dim != args["hidden_size"] // heads or "head_dim" in config or \
+            model_type == "qwen3":  # transformers' Qwen3 head_dim defaults to 128
         _put(config, "head_dim", head_dim)
-    if model_type == "llama":
+    if model_type in ("llama", "qwen3"):
         _put(config, "attention_bias", False)
+    if model_type == "llama":
         _put(config, "mlp_bias", False)
     elif model_type == "mistral":
         _put(config, "sliding_window", None)
     else:
         _put(config, "use_sliding_window", False)
-    _put_rope(config, args)
+    put_rope(config, args)
     return config
 
 
@@ -366,6 +302,14 @@ def detect_spec(state_dict: dict) -> str:
     return "te" if any(key.endswith(te) for key in state_dict) else "local"
 
 
+def _qk_norms(args: dict):
+    """(megatron-core name, HF name) of the per-head q / k norms under `self_attention` /
+    `self_attn` (Qwen3), both specs; none without --qk-layernorm."""
+    if not args.get("qk_layernorm"):
+        return ()
+    return (("q_layernorm.weight", "q_norm.weight"), ("k_layernorm.weight", "k_norm.weight"))
+
+
 class _Taken(dict):
     """The HF state dict, recording which keys were read (to refuse unknown tensors)."""
 
@@ -382,7 +326,7 @@ class _Taken(dict):
 
 def hf_to_megatron_state_dict(hf: Dict[str, Tensor], args: dict, tp_rank: int = 0,
                               tp_size: int = 1, spec: str = "local") -> Dict[str, Tensor]:
-    """HF Llama/Mistral/Qwen2 state dict (`model.layers.{i}.self_attn.q_proj.weight`, ...) ->
+    """HF Llama/Mistral/Qwen2/Qwen3 state dict (`model.layers.{i}.self_attn.q_proj.weight`) ->
     megatron-core GPTModel state dict of TP rank `tp_rank` of `tp_size`, with norm names of
     `spec` ("local" or "te"). Tensors keep their dtype; TP-split ones are copies. No
     `_extra_state` entries (load with strict=False or through dist_checkpointing). ValueError
@@ -402,6 +346,8 @@ def hf_to_megatron_state_dict(hf: Dict[str, Tensor], args: dict, tp_rank: int = 
             out[f"{dst}self_attention.linear_qkv.{suffix}"] = tp_shard(qkv, 0, tp_rank, tp_size)
         out[dst + "self_attention.linear_proj.weight"] = tp_shard(
             hf[attn + "o_proj.weight"], 1, tp_rank, tp_size)
+        for ours, theirs in _qk_norms(args):
+            out[f"{dst}self_attention.{ours}"] = hf[attn + theirs]
         out[dst + norms["pre_mlp"]] = hf[src + "post_attention_layernorm.weight"]
         out[dst + "mlp.linear_fc1.weight"] = shard_fc1(
             hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"], tp_rank, tp_size)
@@ -426,7 +372,7 @@ def _cat(shards: List[dict], key: str, dim: int) -> Tensor:
 
 def megatron_to_hf_state_dict(shards: List[Dict[str, Tensor]], args: dict) -> Dict[str, Tensor]:
     """megatron-core GPTModel state dicts, one per TP rank in rank order (local or TE norm names,
-    `_extra_state` entries ignored) -> HF Llama/Mistral/Qwen2 state dict, vocab padding stripped.
+    `_extra_state` entries ignored) -> HF state dict (`ARCHITECTURES`), vocab padding stripped.
     With tied embeddings there is no `lm_head.weight` (as HF's `save_pretrained` writes it)."""
     heads, groups, head_dim = _heads(args)
     norms = megatron_norm_names(detect_spec(shards[0]))
@@ -441,6 +387,8 @@ def megatron_to_hf_state_dict(shards: List[Dict[str, Tensor]], args: dict) -> Di
             for name, tensor in zip("qkv", split_qkv(qkv, heads, groups, head_dim)):
                 out[f"{attn}{name}_proj.{suffix}"] = tensor
         out[attn + "o_proj.weight"] = _cat(shards, src + "self_attention.linear_proj.weight", 1)
+        for ours, theirs in _qk_norms(args):
+            out[attn + theirs] = shards[0][f"{src}self_attention.{ours}"]
         out[dst + "post_attention_layernorm.weight"] = shards[0][src + norms["pre_mlp"]]
         gate, up = unshard_fc1([shard[src + "mlp.linear_fc1.weight"] for shard in shards])
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up

@@ -1,4 +1,4 @@
-"""Hugging Face Llama / Mistral / Qwen2 <-> megatron_ulysses torch_dist checkpoints.
+"""Hugging Face Llama / Mistral / Qwen2 / Qwen3 <-> megatron_ulysses torch_dist checkpoints.
 
     python tools/convert_hf.py import --hf-path DIR --output CKPT [--tensor-model-parallel-size N]
     python tools/convert_hf.py export --load CKPT --output DIR
@@ -32,11 +32,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megatron_ulysses import hf  # noqa: E402
+from megatron_ulysses.sp.rope import YARN_CONFIG  # noqa: E402
 from megatron_ulysses.training.arguments import (  # noqa: E402
     ConfigError, check_writable_dir, flag_name)
 
 PROG = "convert_hf.py"
 # Run flags the build needs and the conversion does not use.
+ROUND_TO_INT = "yarn_correction_range_round_to_int"  # a switch: --no-... turns it off
 _RUN = ["--seq-length", "8", "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1",
         "--eval-iters", "0", "--mock-data", "--distributed-backend", "gloo"]
 
@@ -125,11 +127,13 @@ def load_safetensors(files: list) -> dict:
 def trainer_argv(model_args: dict, tp: int) -> list:
     """pretrain_gpt.py's flags for the model of `model_args` (Megatron-LM names)."""
     argv = []
+    yarn = model_args.get("position_embedding_type") == "yarn"
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                 "kv_channels", "max_position_embeddings", "position_embedding_type",
                 "rotary_base", "normalization", "norm_epsilon", "attention_dropout",
                 "hidden_dropout", "vocab_size", "rope_scaling_factor",
-                "rotary_seq_len_interpolation_factor", "make_vocab_size_divisible_by"):
+                "rotary_seq_len_interpolation_factor", "make_vocab_size_divisible_by",
+                *(name for name in YARN_CONFIG if yarn and name != ROUND_TO_INT)):
         if model_args.get(key) is not None:
             argv += [flag_name(key), repr(model_args[key]) if isinstance(model_args[key], float)
                      else str(model_args[key])]
@@ -137,9 +141,11 @@ def trainer_argv(model_args: dict, tp: int) -> list:
         argv += ["--group-query-attention", "--num-query-groups",
                  str(model_args["num_query_groups"])]
     for key in ("use_rope_scaling", "swiglu", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "add_qkv_bias"):
+                "disable_bias_linear", "add_qkv_bias", "qk_layernorm"):
         if model_args.get(key):
             argv.append(flag_name(key))
+    if yarn and model_args.get(ROUND_TO_INT) is False:
+        argv.append("--no-" + flag_name(ROUND_TO_INT)[2:])
     return argv + ["--tensor-model-parallel-size", str(tp)] + _RUN
 
 
@@ -338,7 +344,8 @@ def export_hf(args) -> None:
         except ValueError as error:
             raise ConversionError(f"--load {path}: its stored hf_config: {error}") from None
     else:
-        architecture = "Qwen2ForCausalLM" if saved.get("add_qkv_bias") else "LlamaForCausalLM"
+        architecture = ("Qwen2ForCausalLM" if saved.get("add_qkv_bias") else
+                        "Qwen3ForCausalLM" if saved.get("qk_layernorm") else "LlamaForCausalLM")
     try:  # refuse before any process starts
         hf.hf_config_from_model_args(model_args, architecture, base_config=hf_config)
     except ValueError as error:

@@ -47,12 +47,16 @@ class ZeroCenteredNorm(torch.nn.Module):
 
 class LocalTorchNorm:
     """megatron-core's `WrappedTorchNorm`, or `ZeroCenteredNorm` under the config's
-    `layernorm_zero_centered_gamma`."""
+    `layernorm_zero_centered_gamma`; also under `--sequence-parallel` (a norm is per token, and
+    the per-head q / k norms see whole sequences: megatron-core's `finalize_model_grads` sums
+    their grads over TP by name)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
         if config.layernorm_zero_centered_gamma:
             return ZeroCenteredNorm(hidden_size, eps, rms=config.normalization == "RMSNorm")
-        return WrappedTorchNorm(config, hidden_size, eps, **kwargs)
+        local_config = copy.copy(config)
+        local_config.sequence_parallel = False
+        return WrappedTorchNorm(local_config, hidden_size, eps, **kwargs)
 
 
 class SequenceParallelTorchNorm:
@@ -63,9 +67,7 @@ class SequenceParallelTorchNorm:
     `sequence_parallel` (as for `FusedLayerNorm` and `TENorm`)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
-        local_config = copy.copy(config)
-        local_config.sequence_parallel = False
-        norm = LocalTorchNorm(local_config, hidden_size, eps, **kwargs)
+        norm = LocalTorchNorm(config, hidden_size, eps, **kwargs)
         for param in norm.parameters():
             setattr(param, "sequence_parallel", config.sequence_parallel)
         return norm
@@ -113,7 +115,7 @@ class UlyssesGPTModel(TiledLossGPTModelMixin, GPTModel):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type in ("rope", "yarn"):
             self.rotary_pos_emb = ShardedRotaryEmbedding(self.rotary_pos_emb)
 
 

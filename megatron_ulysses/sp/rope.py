@@ -3,9 +3,13 @@
 megatron-core rotates q and k inside `SelfAttention`, before core attention, while they are still
 sequence-sharded: SP rank r holds tokens `[r*s/P, (r+1)*s/P)` and must rotate them with those
 positions, not `0 .. s/P-1`. (megatron-core's own CP slicing assumes zigzag order and does not
-apply to contiguous shards.) Packed documents need no position reset for RoPE: attention never
-crosses a document boundary and RoPE scores depend only on relative positions.
+apply to contiguous shards.) The same for YaRN (megatron-core's `YarnRotaryEmbedding`, which also
+returns the factor its `apply_rotary_pos_emb` scales cos and sin by). Packed documents need no
+position reset for RoPE: attention never crosses a document boundary and RoPE scores depend only
+on relative positions.
 """
+
+import math
 
 import torch
 
@@ -13,8 +17,8 @@ from . import parallel_state as ps
 
 
 class ShardedRotaryEmbedding(torch.nn.Module):
-    """Wraps megatron-core's `RotaryEmbedding`; returns `[s/P, 1, 1, d]` frequencies for this SP
-    rank's positions `[r*s/P, (r+1)*s/P)`."""
+    """Wraps megatron-core's `RotaryEmbedding` or `YarnRotaryEmbedding`; returns (as the wrapped
+    one) `[s/P, 1, 1, d]` frequencies for this SP rank's positions `[r*s/P, (r+1)*s/P)`."""
 
     def __init__(self, rotary: torch.nn.Module):
         super().__init__()
@@ -48,3 +52,36 @@ def fused_rope_fits(tokens: int, heads: int, groups: int, head_dim: int) -> bool
     spans that whole tensor. Past 2^31 elements the kernel reads out of bounds (an illegal
     address on the H200 at 700K tokens of the 1B shape, NaN gradients at 1M)."""
     return tokens * (heads + 2 * groups) * head_dim <= TE_ROPE_MAX_ELEMENTS
+
+
+# Megatron-LM's YaRN flags (dest names) -> the TransformerConfig attributes megatron-core's
+# GPTModel and attention read for position_embedding_type "yarn" (no dataclass fields: Megatron-LM
+# sets them on the config), and the value Megatron-LM gives a flag left unset.
+YARN_CONFIG = {
+    "rotary_scaling_factor": ("yarn_rotary_scaling_factor", 1.0),
+    "yarn_original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "yarn_beta_fast": ("yarn_beta_fast", 32.0),
+    "yarn_beta_slow": ("yarn_beta_slow", 1.0),
+    "mscale": ("yarn_mscale", 1.0),
+    "mscale_all_dim": ("yarn_mscale_all_dim", 0.0),
+    "yarn_correction_range_round_to_int": ("yarn_correction_range_round_to_int", True),
+}
+YARN_DEFAULTS = {name: default for name, (_, default) in YARN_CONFIG.items()}
+
+
+def set_yarn_config(config, values: dict) -> None:
+    """Put YaRN's parameters (`values`: Megatron-LM's names) on megatron-core's `config`."""
+    for name, (attribute, default) in YARN_CONFIG.items():
+        setattr(config, attribute, default if values.get(name) is None else values[name])
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's 0.1 * mscale * ln(scale) + 1 (1 for scale <= 1), as HF and megatron-core."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def yarn_attention_factor(values: dict) -> float:
+    """What megatron-core scales cos and sin by (its `_yarn_get_concentration_factor`; HF's
+    attention factor): mscale's over mscale_all_dim's. `values`: Megatron-LM's names, all set."""
+    factor = values["rotary_scaling_factor"]
+    return yarn_mscale(factor, values["mscale"]) / yarn_mscale(factor, values["mscale_all_dim"])

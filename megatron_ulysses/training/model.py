@@ -27,6 +27,7 @@ from ..sp.backends import te_available
 from ..sp.layer_specs import build_gpt_model
 from ..memory.activation_offload import enable_activation_offload
 from ..sp.parallel_state import ParallelDims
+from ..sp.rope import YARN_CONFIG, set_yarn_config
 from .chunks import model_chunks
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config import grad_buckets
@@ -38,12 +39,15 @@ from .optimizer import build_optimizer
 def transformer_config(model: ModelConfig, dims: ParallelDims,
                        performance: PerformanceConfig = PerformanceConfig()) -> TransformerConfig:
     """megatron-core's config of the model (per-token loss; CPU initialization without CUDA;
-    FP8 and the other speed features of `performance`)."""
+    FP8 and the other speed features of `performance`; YaRN's parameters, as Megatron-LM)."""
     cuda = torch.cuda.is_available()
     with warnings.catch_warnings():  # 0.16 warns about its own default cuda_graph_scope
         warnings.filterwarnings("ignore", message="full scope is deprecated")
-        return TransformerConfig(**transformer_config_kwargs(model, dims, cuda),
-                                 **transformer_kwargs(performance))
+        config = TransformerConfig(**transformer_config_kwargs(model, dims, cuda),
+                                   **transformer_kwargs(performance))
+    if model.position_embedding_type == "yarn":
+        set_yarn_config(config, {name: getattr(model, name) for name in YARN_CONFIG})
+    return config
 
 
 def transformer_config_kwargs(model: ModelConfig, dims: ParallelDims, cuda: bool) -> dict:

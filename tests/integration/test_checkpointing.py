@@ -383,6 +383,9 @@ VALIDATION = {
     "same model loads": ([], [], None, []),
     "same rope model loads": (ROPE, ROPE + ["--rotary-base", "500000"], None, [
         "WARNING: --rotary-base 500000 differs from the checkpoint's 10000"]),
+    "same rope model loads with yarn": (ROPE, ["--position-embedding-type", "yarn",
+                                               "--rotary-scaling-factor", "4"], None, [
+        "WARNING: --position-embedding-type yarn: the checkpoint's is rope"]),
 }
 
 

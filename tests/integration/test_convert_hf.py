@@ -6,7 +6,8 @@ A tiny random Llama with GQA (fp32, untied, vocab 100) saved with `save_pretrain
 - `pretrain_gpt.py --load CKPT --use-checkpoint-args --finetune` (no model flags) trains it at
   SP = 1 and SP = 2 with the same per-iteration losses, and the trained checkpoint exports; one
   saved at PP 2 exports the PP 1 tensors;
-- bad input exits 2 with one message naming the flag.
+- bad input exits 2 with one message naming the flag;
+- a tiny Qwen3 with YaRN: the same at 4x its original context, plus a resume.
 """
 
 import json
@@ -343,3 +344,64 @@ def test_export_refuses_an_output_with_weights_or_not_writable(tmp_path, capsys)
                              str(tmp_path / "file")), "--output")
     _refused(convert_refusal(capsys, "export", "--load", load, "--output", "/proc/nope"),
              "--output")
+
+
+def test_qwen3_with_yarn_imports_trains_at_4x_its_context_resumes_and_exports(tmp_path):
+    # A tiny Qwen3 (q/k norms, head_dim 32 != 64 / 4) with YaRN from a 16-token original context
+    # to 64 (factor 4): the import round-trips bitwise, trains at 64 tokens at SP 1 and SP 2 with
+    # the same losses, its checkpoint keeps the YaRN flags (--use-checkpoint-args takes them,
+    # the command line's first), a resume at SP 2 continues SP 1's
+    # uninterrupted run, and the trained checkpoint exports with the same config.json.
+    from megatron_ulysses.training.checkpoint.load import read_checkpoint_args
+
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=64, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+            "original_max_position_embeddings": 16})
+    hf_dir = save_random_model(tmp_path / "qwen3", config, transformers.Qwen3ForCausalLM)
+    checkpoint, out = tmp_path / "imported", tmp_path / "exported"
+    result = convert("import", "--hf-path", str(hf_dir), "--output", str(checkpoint))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = convert("export", "--load", str(checkpoint), "--output", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    _assert_same_model(hf_dir, out)
+    saved = read_checkpoint_args(str(checkpoint))
+    assert (saved["position_embedding_type"], saved["rotary_scaling_factor"],
+            saved["yarn_original_max_position_embeddings"], saved["qk_layernorm"],
+            saved["kv_channels"]) == ("yarn", 4.0, 16, True, 32)
+    # --use-checkpoint-args takes the YaRN flags where the command line gives none
+    from megatron_ulysses.training.arguments import parse_args
+
+    run = ["--load", str(checkpoint), "--use-checkpoint-args", "--mock-data", "--vocab-size",
+           str(VOCAB - 1), "--micro-batch-size", "1", "--lr", "0", "--train-iters", "1"]
+    taken = parse_args(run, world_size=1).model
+    assert (taken.rotary_scaling_factor, taken.yarn_correction_range_round_to_int) == (4.0, True)
+    given = parse_args(run + ["--rotary-scaling-factor", "8",
+                              "--no-yarn-correction-range-round-to-int"], world_size=1).model
+    assert (given.rotary_scaling_factor, given.yarn_correction_range_round_to_int,
+            given.yarn_original_max_position_embeddings) == (8.0, False, 16)
+    constant = ("--lr-decay-style", "constant")  # 2 and 3 iterations: the same learning rates
+    expected = losses(_train(1, checkpoint, "--train-iters", "3", *constant))
+    assert sorted(expected) == [1, 2, 3]
+    trained = tmp_path / "trained"
+    got = losses(_train(2, checkpoint, "--ulysses-sp-size", "2", "--save", str(trained),
+                        *constant))
+    assert sorted(got) == [1, 2]
+    resume = pretrain(2, [
+        "--load", str(trained), "--use-checkpoint-args", "--mock-data",
+        "--vocab-size", str(VOCAB - 1), "--seq-length", "64", "--micro-batch-size", "2",
+        "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "3", "--log-interval", "1",
+        "--eval-iters", "0", "--num-workers", "0", "--attention-dropout", "0",
+        "--hidden-dropout", "0", "--ulysses-sp-size", "2", *constant,
+        "--use-checkpoint-opt_param-scheduler"])
+    got.update(losses(resume))
+    assert got.keys() == expected.keys()
+    for iteration, loss in expected.items():
+        assert got[iteration] == pytest.approx(loss, rel=2e-6), iteration
+    exported = tmp_path / "trained_exported"
+    result = convert("export", "--load", str(trained), "--output", str(exported))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads((exported / "config.json").read_text()) == \
+        json.loads((hf_dir / "config.json").read_text())

@@ -5,6 +5,7 @@ import contextlib
 import dataclasses
 import io
 import json
+from unittest import mock
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ DATA_RUN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
             "--seq-length", "32", "--micro-batch-size", "1", "--lr", "1e-3", "--train-iters",
             "2", "--num-workers", "0", "--eval-iters", "0"]
 BASE = DATA_RUN + ["--mock-data", "--vocab-size", "64"]
+YARN = ["--position-embedding-type", "yarn"]
 
 
 def problem(argv, world_size=1) -> str:
@@ -81,6 +83,14 @@ def test_every_out_of_scope_group_names_each_flag_and_why(group, _, prefixes, na
     (["--num-distributed-optimizer-instances", "2"],
      ["--num-distributed-optimizer-instances", "CUDA"]),
     (["--squared-relu", "--swiglu"], ["--squared-relu and --swiglu"]),
+    (YARN + ["--rotary-interleaved"], ["--position-embedding-type yarn rotates halves",
+                                       "drop --rotary-interleaved"]),
+    (YARN + ["--rotary-percent", "0.5"], ["ignores --rotary-percent 0.5"]),
+    (YARN + ["--use-rope-scaling"], ["--use-rope-scaling: another RoPE scaling"]),
+    (YARN + ["--rotary-scaling-factor", "0"], ["--rotary-scaling-factor must be positive"]),
+    (YARN + ["--yarn-beta-fast", "-1"], ["--yarn-beta-fast must be positive, got -1"]),
+    (YARN + ["--rotary-scaling-factor", "4", "--mscale-all-dim", "-10"],
+     ["0.1 x --mscale-all-dim (-10.0) x ln(--rotary-scaling-factor 4.0)", "must be positive"]),
     (["--recompute-activations", "--recompute-granularity", "full",
       "--recompute-method", "block"], ["--recompute-activations", "full"]),
     (["--te-rng-tracker"], ["--te-rng-tracker", "CUDA"]),
@@ -113,6 +123,9 @@ VIRTUAL = ("a virtual pipeline, --num-layers-per-virtual-pipeline-stage or "
      ["--use-rope-scaling", "--rotary-interleaved"], "--position-embedding-type rope", 1),
     (["--position-embedding-type", "none"], ["--rotary-seq-len-interpolation-factor", "2"],
      "--position-embedding-type rope", 1),
+    (["--position-embedding-type", "rope"], ["--rotary-scaling-factor", "4", "--mscale", "0.5",
+                                             "--no-yarn-correction-range-round-to-int"],
+     "--position-embedding-type yarn", 1),
     ([], ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 1),
     (PP2, ["--microbatch-group-size-per-virtual-pipeline-stage", "2"], VIRTUAL, 2),
     ([], ["--finetune", "--exit-on-missing-checkpoint"], "--load", 1),
@@ -212,6 +225,48 @@ def _build_layernorm_1p_model(rank, world_size):
 
 def test_layernorm_1p_builds_zero_centered_norms_in_the_local_spec():
     spawn(_build_layernorm_1p_model, 1)
+
+
+YARN_FLAGS = ["--position-embedding-type", "yarn", "--rotary-scaling-factor", "4",
+              "--yarn-original-max-position-embeddings", "8", "--mscale", "0.8",
+              "--no-yarn-correction-range-round-to-int"]
+
+
+def _build_yarn_model(rank, world_size):
+    from megatron.core.models.common.embeddings import YarnRotaryEmbedding
+
+    from megatron_ulysses.sp.rope import ShardedRotaryEmbedding
+
+    with _built_model(YARN_FLAGS) as model:
+        rotary = model.module.rotary_pos_emb
+        assert isinstance(rotary, ShardedRotaryEmbedding)
+        yarn = rotary.rotary
+        assert isinstance(yarn, YarnRotaryEmbedding)
+        assert (yarn.scaling_factor, yarn.original_max_position_embeddings, yarn.mscale,
+                yarn.correction_range_round_to_int) == (4.0, 8, 0.8, False)
+        with mock.patch.object(ps, "get_ulysses_sp_rank", return_value=1):
+            shard, factor = rotary(16)  # SP rank 1 of 2 at 32 tokens: positions 16 .. 31
+        whole, whole_factor = yarn(32)
+        assert factor == whole_factor != 1.0 and torch.equal(shard, whole[16:])
+        logits = model(torch.randint(0, 64, (1, 32)), torch.arange(32)[None], None)
+        assert torch.isfinite(logits).all()
+
+
+def test_yarn_flags_reach_megatron_cores_yarn_embedding_at_global_positions():
+    """Megatron-LM's YaRN flags, unset ones at its defaults, on the TransformerConfig and in the
+    `YarnRotaryEmbedding` megatron-core's GPTModel builds, which `ShardedRotaryEmbedding`
+    shifts to each SP rank's positions; saved with the checkpoint's model args."""
+    from megatron_ulysses.sp.rope import YARN_CONFIG
+    from megatron_ulysses.training.checkpoint.state import SAVED_ARGS
+
+    config = parse_args(BASE + YARN_FLAGS, world_size=1)
+    mcore = model_builders.transformer_config(config.model, config.dims)
+    assert {attr: getattr(mcore, attr) for attr, _ in YARN_CONFIG.values()} == {
+        "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 8,
+        "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_mscale": 0.8,
+        "yarn_mscale_all_dim": 0.0, "yarn_correction_range_round_to_int": False}
+    assert set(YARN_CONFIG) <= set(SAVED_ARGS)
+    spawn(_build_yarn_model, 1)
 
 
 def test_padded_vocab_size_is_taken_as_given():

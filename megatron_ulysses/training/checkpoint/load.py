@@ -82,6 +82,9 @@ def _vocab_hint(saved: dict, run: dict) -> str:
             "checkpoint's rows)")
 
 
+ROTARY = {"rope", "yarn"}  # position types of the same weights (YaRN rescales RoPE)
+
+
 def check_args(path: str, saved: dict, run: dict) -> None:
     """The checkpoint's model values (`saved`) against this run's (`run`); its TP and pipeline
     layout may differ (`LAYOUT_ARGS`), not its padded vocab."""
@@ -91,7 +94,8 @@ def check_args(path: str, saved: dict, run: dict) -> None:
     missing = object()
     saved = {**MISSING_MEANS, **saved}
     mismatched = [(key, saved.get(key, missing), run[key]) for key in keys
-                  if saved.get(key, missing) != run[key]]
+                  if saved.get(key, missing) != run[key]
+                  and {saved.get(key), run[key]} != ROTARY]
     if mismatched:
         details = "; ".join(
             f"{_flag(key)}: checkpoint {'(not saved)' if a is missing else repr(a)}, "
@@ -100,7 +104,11 @@ def check_args(path: str, saved: dict, run: dict) -> None:
         hint = _vocab_hint(saved, run) if vocab else ""
         raise ConfigError(f"--load {path} was saved with another model: {details}. Run with "
                           f"the checkpoint's values{hint}")
-    if run["position_embedding_type"] == "rope" and saved.get("rotary_base") not in \
+    if {saved.get("position_embedding_type"), run["position_embedding_type"]} == ROTARY:
+        print_rank_0(f" WARNING: --position-embedding-type {run['position_embedding_type']}: "
+                     f"the checkpoint's is {saved['position_embedding_type']} (--load {path}); "
+                     "its weights load, positions are rotated by this run's")
+    if run["position_embedding_type"] in ROTARY and saved.get("rotary_base") not in \
             (None, run["rotary_base"]):
         print_rank_0(f" WARNING: --rotary-base {run['rotary_base']} differs from the checkpoint's "
                      f"{saved['rotary_base']} (--load {path})")

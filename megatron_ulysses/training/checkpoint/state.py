@@ -13,6 +13,7 @@ from ..chunks import model_chunks, state_keys
 from ..fsdp import (
     model_sharded_state_dict,
 )
+from ...sp.rope import YARN_CONFIG
 from .rng_state import rng_sharded
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -53,7 +54,8 @@ OPTIMIZER_ARGS = ("use_distributed_optimizer", "bf16", "fp16")
 TOKENIZER_ARGS = ("tokenizer_type", "tokenizer_model", "tiktoken_pattern")
 SAVED_ARGS = MODEL_ARGS + LAYOUT_ARGS + OPTIMIZER_ARGS + (
     "max_position_embeddings", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
-    "rotary_seq_len_interpolation_factor", "norm_epsilon", "make_vocab_size_divisible_by",
+    "rotary_seq_len_interpolation_factor", *YARN_CONFIG, "norm_epsilon",
+    "make_vocab_size_divisible_by",
     "vocab_size", "seq_length", "attention_dropout", "hidden_dropout") + TOKENIZER_ARGS
 
 

@@ -11,6 +11,7 @@ from typing import Optional
 
 from ...data.tokenizer_flags import TOKENIZER_TYPES
 from ...errors import ConfigError, flag_name
+from ...sp.rope import YARN_CONFIG
 from .checks import Context, check_output_dir, check_range, ignore_without, require
 
 
@@ -222,7 +223,7 @@ CHECKPOINT_ARGS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "seq_length", "num_attention_heads",
     "kv_channels", "max_position_embeddings", "use_rope_scaling", "rope_scaling_factor",
     "rotary_seq_len_interpolation_factor", "norm_epsilon", "qk_layernorm",
-    "make_vocab_size_divisible_by", "padded_vocab_size",
+    "make_vocab_size_divisible_by", "padded_vocab_size", *YARN_CONFIG,
 )
 # ... and these over the command line's (Megatron-LM's force=True), a warning naming each
 # command-line value replaced.
@@ -255,8 +256,9 @@ def apply_checkpoint_args(args: argparse.Namespace, given: frozenset = frozenset
             f"no {', '.join(missing)}; give them on the command line")
     forced = FORCED_CHECKPOINT_ARGS + (_PARALLEL_ARGS if args.use_mp_args_from_checkpoint_args
                                        else ())
-    for name in CHECKPOINT_ARGS:
-        if saved.get(name) is not None and flag_name(name) not in given and name not in forced:
+    for name in CHECKPOINT_ARGS:  # (a --no-<flag> given counts as the flag)
+        flags = {flag_name(name), "--no-" + flag_name(name)[2:]}
+        if saved.get(name) is not None and not flags & given and name not in forced:
             setattr(args, name, saved[name])
     if saved.get("num_query_groups") is not None and "group_query_attention" not in saved:
         saved = dict(saved, group_query_attention=

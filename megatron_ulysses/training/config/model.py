@@ -7,8 +7,9 @@ from typing import Optional
 
 import torch
 
+from ...sp.rope import YARN_DEFAULTS, yarn_mscale
 from ...sp.backends import BACKENDS, resolve_backend, te_available
-from ...errors import ConfigError
+from ...errors import ConfigError, flag_name
 from .checks import Context, check_positive, check_range, ignore_without, number, require
 from .fusions import FusionFields
 from .memory import MemoryFields
@@ -33,6 +34,13 @@ class ModelConfig(MemoryFields, FusionFields, PipelineFields):
     use_rope_scaling: bool
     rope_scaling_factor: float
     rotary_seq_len_interpolation_factor: Optional[float]
+    rotary_scaling_factor: float  # YaRN's (--position-embedding-type yarn), as the next six
+    yarn_original_max_position_embeddings: Optional[int]
+    yarn_beta_fast: Optional[float]
+    yarn_beta_slow: Optional[float]
+    mscale: float
+    mscale_all_dim: float
+    yarn_correction_range_round_to_int: Optional[bool]
     normalization: str
     norm_epsilon: float
     swiglu: bool
@@ -165,10 +173,13 @@ def _add_shape_arguments(g, required: bool) -> None:
 
 
 def _add_position_arguments(g) -> None:
-    """Position information: learned, RoPE (its base, share, scaling, interpolation) or none."""
-    g.add_argument("--position-embedding-type", choices=("rope", "learned_absolute", "none"),
-                   default="learned_absolute",
-                   help="none: no position information (NoPE), as megatron-core's GPTModel")
+    """Position information: learned, RoPE (its base, share, scaling, interpolation), YaRN or
+    none."""
+    g.add_argument("--position-embedding-type",
+                   choices=("rope", "yarn", "learned_absolute", "none"),
+                   default="learned_absolute", help="none: no position information (NoPE), "
+                   "yarn: RoPE with YaRN scaling (megatron-core's YarnRotaryEmbedding), as "
+                   "megatron-core's GPTModel")
     g.add_argument("--use-rotary-position-embeddings", action="store_const",
                    dest="position_embedding_type", const="rope",
                    help="= --position-embedding-type rope (Megatron-LM's older flag)")
@@ -181,13 +192,37 @@ def _add_position_arguments(g) -> None:
                    help="the llama3 scaling factor of --use-rope-scaling")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=number, default=None,
                    help="linear RoPE position interpolation: positions / factor")
+    _add_yarn_arguments(g)
+
+
+def _add_yarn_arguments(g) -> None:
+    """YaRN's (Megatron-LM's names and defaults; unset ones get `YARN_DEFAULTS`)."""
+    yarn = "with --position-embedding-type yarn"
+    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
+                   help=f"YaRN's context scaling factor (HF rope_scaling.factor), {yarn}")
+    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
+                   help=f"the context the model was trained at (default 4096), {yarn}")
+    g.add_argument("--yarn-beta-fast", type=float, default=None,
+                   help=f"YaRN's high-frequency boundary in rotations (default 32), {yarn}")
+    g.add_argument("--yarn-beta-slow", type=float, default=None,
+                   help=f"YaRN's low-frequency boundary in rotations (default 1), {yarn}")
+    g.add_argument("--mscale", type=float, default=1.0, help="cos / sin are scaled by "
+                   "(0.1 * mscale * ln(factor) + 1) / (the same with --mscale-all-dim), " + yarn)
+    g.add_argument("--mscale-all-dim", type=float, default=0.0,
+                   help=f"the denominator's mscale of --mscale, {yarn}")
+    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
+                   help=f"round YaRN's correction range to integers (the default), {yarn}")
+    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
+                   dest="yarn_correction_range_round_to_int",
+                   help=f"keep YaRN's correction range fractional (HF truncate false), {yarn}")
 
 def _add_variant_arguments(g) -> None:
     """Megatron-LM's attention and MLP variants: their defaults (what this model is) only."""
     g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"),
                    default="vanilla", help="only vanilla (the standard softmax) here")
     g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
-                   help="only rope here (Megatron-LM's standard attention takes no other)")
+                   help="only rope here (Megatron-LM's standard attention takes no other; "
+                   "YaRN is --position-embedding-type yarn)")
     g.add_argument("--glu-linear-offset", type=float, default=0.0,
                    help="only 0 here (the gated MLP is silu(x0) * x1)")
 
@@ -213,8 +248,8 @@ def check_values(args) -> None:
             "vanilla softmax is built here (the attention backends between the Ulysses "
             "all-to-alls have no softmax offset); drop it")
     require(args.rope_type in (None, "rope"), f"--rope-type {args.rope_type}: standard "
-            "attention takes only rope (as in Megatron-LM, where yarn is multi-latent "
-            "attention's); drop it")
+            "attention takes only rope (as in Megatron-LM, where it is multi-latent "
+            "attention's); drop it (YaRN for this model: --position-embedding-type yarn)")
     require(args.glu_linear_offset == 0, f"--glu-linear-offset {args.glu_linear_offset}: the "
             "gated MLP here is silu(x0) * x1, with no offset; drop it")
 
@@ -371,14 +406,28 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
                                           else "sdpa")
 
 
+def _yarn_options(args) -> tuple:
+    """(flag, dest, default) of the YaRN flags, as given (--no-yarn-correction-...)."""
+    def given(name):
+        off = name == "yarn_correction_range_round_to_int" and getattr(args, name) is False
+        return "--no-" + flag_name(name)[2:] if off else flag_name(name)
+
+    return tuple((given(name), name, None if name.startswith("yarn_") else default)
+                 for name, default in YARN_DEFAULTS.items())
+
+
 def _check_rope(args, ctx: Context) -> None:
-    if args.position_embedding_type != "rope":  # megatron-core builds no rotary embedding
+    if args.position_embedding_type != "yarn":  # megatron-core reads them only with yarn
+        ignore_without(args, ctx, "--position-embedding-type yarn", _yarn_options(args))
+    if args.position_embedding_type not in ("rope", "yarn"):  # no rotary embedding built
         ignore_without(args, ctx, "--position-embedding-type rope", (
             ("--use-rope-scaling", "use_rope_scaling", False),
             ("--rotary-seq-len-interpolation-factor", "rotary_seq_len_interpolation_factor",
              None),
             ("--rotary-interleaved", "rotary_interleaved", False)))
         return
+    if args.position_embedding_type == "yarn":
+        _check_yarn(args)
     # megatron-core's TransformerConfig refuses interleaved RoPE with TE's fused kernel.
     require(not (args.rotary_interleaved and ctx.cuda and te_available()
                  and not args.no_rope_fusion),
@@ -393,3 +442,32 @@ def _check_rope(args, ctx: Context) -> None:
             f"RoPE rotates --kv-channels x --rotary-percent = {args.kv_channels} x "
             f"{args.rotary_percent} -> {rotary_dim} dimensions per head, which must be even "
             "and >= 2; change --rotary-percent (or --kv-channels)")
+
+
+def _check_yarn(args) -> None:
+    """What megatron-core's `YarnRotaryEmbedding` builds (all dims, non-interleaved halves, none
+    of the other scalings), its unset flags filled in as Megatron-LM's model build does, and
+    values whose tables and cos / sin factor are finite."""
+    yarn = "--position-embedding-type yarn"
+    require(not args.rotary_interleaved, f"{yarn} rotates halves (megatron-core's "
+            "YarnRotaryEmbedding refuses interleaved pairs): drop --rotary-interleaved")
+    require(args.rotary_percent == 1.0, f"{yarn} rotates every head dimension (megatron-core's "
+            f"YaRN ignores --rotary-percent {args.rotary_percent}): drop --rotary-percent")
+    other = [flag for flag, on in (
+        ("--use-rope-scaling", args.use_rope_scaling),
+        ("--rotary-seq-len-interpolation-factor",
+         args.rotary_seq_len_interpolation_factor is not None)) if on]
+    require(not other, f"{' and '.join(other)}: another RoPE scaling, which megatron-core's "
+            f"YaRN ignores ({yarn} scales by --rotary-scaling-factor): drop it")
+    for name, default in YARN_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    for name in ("rotary_scaling_factor", "yarn_original_max_position_embeddings",
+                 "yarn_beta_fast", "yarn_beta_slow"):
+        check_range(args, name, low=0, low_open=True)
+    for name in ("mscale", "mscale_all_dim"):
+        check_range(args, name)
+        scale = yarn_mscale(args.rotary_scaling_factor, getattr(args, name))
+        require(scale > 0, f"{yarn}: 0.1 x {flag_name(name)} ({getattr(args, name)}) x "
+                f"ln(--rotary-scaling-factor {args.rotary_scaling_factor}) + 1 = {scale:.4g} "
+                "must be positive (cos / sin are scaled by --mscale's over --mscale-all-dim's)")

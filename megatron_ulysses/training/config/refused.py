@@ -18,13 +18,13 @@ OUT_OF_SCOPE = (
       "--enable-gpt-oss")),  # (Megatron-LM's gpt-oss examples pass it; its parser has not)
     ("multi-latent / DSA / linear attention", "only standard (grouped-query) softmax "
      "attention is split by Ulysses here",
-     ("--dsa-", "--no-dsa-", "--disable-dsa-", "--linear-", "--mla-", "--mscale", "--gdp-"),
+     ("--dsa-", "--no-dsa-", "--disable-dsa-", "--linear-", "--mla-", "--gdp-"),
      ("--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-head-dim",
-      "--qk-pos-emb-head-dim", "--v-head-dim", "--rotary-scaling-factor", "--cache-mla-latents",
+      "--qk-pos-emb-head-dim", "--v-head-dim", "--cache-mla-latents",
       "--attention-output-gate", "--experimental-attention-variant")),
     ("attention, activation and RoPE variants", "the layers here are a dense GPT / Llama "
      "decoder's (full causal softmax attention, gelu / SwiGLU / squared-ReLU MLP, RoPE or "
-     "learned positions)", ("--yarn-", "--no-yarn-", "--mhc-"),
+     "learned positions)", ("--mhc-",),
      ("--window-size", "--window-attn-skip-freq", "--quick-geglu",
       "--activation-func-clamp-value", "--qk-l2-norm", "--no-rope-freq", "--enable-mhc-connections",
       "--openai-gelu", "--apply-residual-connection-post-layernorm")),

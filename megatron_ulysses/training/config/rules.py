@@ -40,10 +40,11 @@ def validate(args, ctx: Context) -> None:
         require(args.min_loss_scale <= args.initial_loss_scale,
                 f"--min-loss-scale ({args.min_loss_scale}) must be <= --initial-loss-scale "
                 f"({args.initial_loss_scale})")
-    if args.position_embedding_type == "rope" and args.reset_position_ids and \
+    if args.position_embedding_type in ("rope", "yarn") and args.reset_position_ids and \
             not args.reset_attention_mask:
         ctx.warnings.append(
-            "--reset-position-ids changes nothing with --position-embedding-type rope: RoPE "
+            "--reset-position-ids changes nothing with --position-embedding-type "
+            f"{args.position_embedding_type}: RoPE "
             "takes positions from each document only with --reset-attention-mask, which "
             "also keeps documents from attending to each other; add --reset-attention-mask "
             "or drop --reset-position-ids")
