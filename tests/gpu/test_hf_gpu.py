@@ -11,7 +11,12 @@ sample, train or validation, is that document and Hugging Face's loss on it is t
 - iteration 1's loss (before any update) equals HF's on the GPU: fp32 within 1e-4, bf16 1e-2;
 - `--skip-train` on the trained checkpoint logs the trained run's last validation loss exactly
   (deterministic mode), and HF's loss of the export of that checkpoint is the same within 1e-2;
-- the passkey tool's answers (fp32) at SP 2 equal SP 1's, and HF's teacher-forced argmax.
+- the passkey tool's answers (fp32) at SP 2 equal SP 1's, and HF's teacher-forced argmax;
+- a tiny Qwen3 (q/k norms, head_dim 128 != 256 / 4) with YaRN x4 from a 128-token original
+  context, imported on the CPU node, gives HF's first loss at SEQ = 4 x 128 tokens at SP 1 and
+  at SP 2 (two processes on the GPU, gloo, tests/gpu/gloo_launcher.py), fp32 within 1e-4 and
+  bf16 1e-2; HF's loss without the YaRN differs by more than 10x the fp32 tolerance, so the
+  fp32 case sees YaRN (the bf16 one checks the bf16 path, not YaRN).
 """
 
 import json
@@ -23,6 +28,7 @@ import pytest
 import torch
 
 from conftest import TINY_VOCAB
+from hf_models import save_random_model
 from test_trainer import ITERATION, REPO, VALIDATION, report
 
 import transformers  # noqa: E402 (offline machines: run.sh installs it from $HF_WHEELS)
@@ -32,6 +38,7 @@ import transformers  # noqa: E402 (offline machines: run.sh installs it from $HF
 # `--vocab-size VOCAB - 1` plus its EOD makes the same count.
 VOCAB, SEQ = TINY_VOCAB, 512
 TOOL = str(REPO / "tools" / "convert_hf.py")
+GLOO_LAUNCHER = str(REPO / "tests" / "gpu" / "gloo_launcher.py")
 
 
 def _env(**changes):
@@ -77,10 +84,11 @@ def document(tmp_path_factory):
     return prefix, tokens
 
 
-def _hf_loss(path, tokens) -> float:
+def _hf_loss(path, tokens, **kwargs) -> float:
     """HF's mean cross entropy on the document as the data set serves it: labels are the next
     tokens, the last one wrapping to the next copy's first."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).cuda()
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, **kwargs).cuda()
     labels = torch.cat([tokens[1:], tokens[:1]]).cuda()
     with torch.no_grad():
         logits = model(tokens[None].cuda()).logits[0].float()
@@ -93,13 +101,16 @@ def _tensors(path):
     return load_file(str(path / "model.safetensors"))
 
 
-@pytest.fixture(scope="module")
-def imported(hf_dir, tmp_path_factory):
-    """The checkpoint imported on a CPU node (CUDA hidden: local spec, gloo, sdpa)."""
-    path = tmp_path_factory.mktemp("ckpt") / "imported"
+def _import_on_cpu(hf_dir, path):
+    """`path`: the checkpoint imported on a CPU node (CUDA hidden: local spec, gloo, sdpa)."""
     _run([sys.executable, TOOL, "import", "--hf-path", str(hf_dir), "--output", str(path)],
          CUDA_VISIBLE_DEVICES="")
     return path
+
+
+@pytest.fixture(scope="module")
+def imported(hf_dir, tmp_path_factory):
+    return _import_on_cpu(hf_dir, tmp_path_factory.mktemp("ckpt") / "imported")
 
 
 def test_cpu_import_exports_bitwise_from_the_te_spec(hf_dir, imported, tmp_path):
@@ -113,9 +124,15 @@ def test_cpu_import_exports_bitwise_from_the_te_spec(hf_dir, imported, tmp_path)
         json.loads((hf_dir / "config.json").read_text())
 
 
-def _train(imported, document, workdir, *flags):
+def _torchrun(nproc, *launcher):
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc-per-node={nproc}", *launcher]
+
+
+def _train(imported, document, workdir, *flags, program=(sys.executable,)):
+    """pretrain_gpt.py by `program` (one process; `_torchrun(...)` for several)."""
     prefix, _ = document
-    return _run([sys.executable, str(REPO / "pretrain_gpt.py"), "--load", str(imported),
+    return _run([*program, str(REPO / "pretrain_gpt.py"), "--load", str(imported),
                  "--use-checkpoint-args", "--data-path", prefix, "--split", "50,50,0",
                  "--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1),
                  "--seq-length", str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",
@@ -167,9 +184,7 @@ def test_skip_train_and_export_of_the_trained_checkpoint(document, trained, tmp_
 
 
 def _passkey(imported, sp_model, out, nproc, *flags):
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc-per-node={nproc}"]
-    _run([*launcher, str(REPO / "tools" / "eval_passkey.py"), "--load", str(imported),
+    _run([*_torchrun(nproc), str(REPO / "tools" / "eval_passkey.py"), "--load", str(imported),
           "--use-checkpoint-args", "--tokenizer-type", "GPTSentencePieceTokenizer",
           "--tokenizer-model", sp_model, "--lengths", "256,1024", "--depths", "0,0.5,1",
           "--trials", "2", "--output-dir", str(out), "--ulysses-attention-backend", "te", *flags])
@@ -197,3 +212,49 @@ def test_passkey_at_sp2_on_the_gpu_is_sp1_and_hf_argmax(hf_dir, imported, sp_mod
         agree += record["predicted_tokens"] == argmax
     report("passkey_gpu", records=len(sp1["records"]), agree_with_hf=agree)
     assert agree == len(sp1["records"])
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0,
+        "original_max_position_embeddings": SEQ // 4}
+
+
+@pytest.fixture(scope="module")
+def qwen3_yarn(tmp_path_factory):
+    """(HF directory, its CPU import): a tiny Qwen3 with YaRN x4 up to SEQ tokens."""
+    config = transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6,
+        tie_word_embeddings=False, max_position_embeddings=SEQ, rope_parameters=YARN)
+    work = tmp_path_factory.mktemp("qwen3_yarn")
+    hf_dir = save_random_model(work / "hf", config, transformers.Qwen3ForCausalLM)
+    return hf_dir, _import_on_cpu(hf_dir, work / "imported")
+
+
+@pytest.mark.parametrize("precision, tolerance", [("fp32", 1e-4), ("bf16", 1e-2)])
+def test_qwen3_with_yarn_gives_hf_loss_at_sp1_and_sp2(qwen3_yarn, document, precision,
+                                                       tolerance, tmp_path):
+    hf_dir, imported = qwen3_yarn
+    run = ["--finetune", "--lr", "1e-3", "--train-iters", "1", "--eval-iters", "0",
+           *(["--bf16"] if precision == "bf16" else [])]
+    logs = {"sp1": _train(imported, document, tmp_path / "sp1", *run),
+            "sp2": _train(imported, document, tmp_path / "sp2", *run, "--ulysses-sp-size", "2",
+                          "--distributed-backend", "gloo",
+                          program=_torchrun(2, GLOO_LAUNCHER))}
+    first = {}
+    for name, log in logs.items():
+        assert "attention backend te in transformer_engine layers" in log, log[-3000:]
+        assert log.count("lm loss:") == 1, log[-3000:]
+        first[name] = float(ITERATION.search(log)[2])
+    assert "DP 1 x Ulysses SP 2;" in logs["sp2"]
+    expected = _hf_loss(hf_dir, document[1])
+    plain = transformers.AutoConfig.from_pretrained(hf_dir)
+    plain.rope_parameters = {"rope_type": "default", "rope_theta": YARN["rope_theta"]}
+    without_yarn = _hf_loss(hf_dir, document[1], config=plain)
+    report(f"hf_qwen3_yarn_first_loss_{precision}", sp1=first["sp1"], sp2=first["sp2"],
+           hf=expected, hf_without_yarn=without_yarn,
+           rel_sp1=abs(first["sp1"] - expected) / expected,
+           rel_sp2=abs(first["sp2"] - expected) / expected)
+    if precision == "fp32":  # (CPU, fp32: YaRN moves HF's loss by 1.9e-3 relative)
+        assert abs(without_yarn - expected) > 10 * tolerance * expected, "YaRN unseen"
+    for name in ("sp1", "sp2"):
+        assert first[name] == pytest.approx(expected, rel=tolerance), name

@@ -20,6 +20,7 @@ import pytest
 import torch
 import transformers
 from conftest import REPO_ROOT
+from hf_models import save_random_model
 from launcher import pretrain
 from test_cli import losses
 
@@ -61,20 +62,6 @@ def save_random_llama(path, vocab: int):
         num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
         tie_word_embeddings=False, max_position_embeddings=256)
     return save_random_model(path, config, transformers.LlamaForCausalLM)
-
-
-def save_random_model(path, config, model_class):
-    """A random `model_class` (fp32) of `config`, weights spread wider than HF's init, saved with
-    `save_pretrained` to `path`."""
-    config.architectures = [model_class.__name__]
-    torch.manual_seed(0)
-    model = model_class._from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn_like(param)
-            param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
-    model.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

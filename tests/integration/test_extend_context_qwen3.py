@@ -15,10 +15,10 @@ import pytest
 import torch
 import transformers
 from conftest import REPO_ROOT
+from hf_models import save_random_model
 from launcher import pretrain
 from sft_data import SFT_JSONL, save_sft_tokenizer, words
 from test_cli import losses, losses_of
-from test_convert_hf import save_random_model
 
 VOCAB = 64  # the model's rows; the tokenizer has len(words()) of them
 SEQ = 64

@@ -4,8 +4,9 @@ SP 8 (4 heads on SP ranks 0-3, 3 on ranks 4-7; kv heads on up to 2 ranks) with S
 
 import pytest
 import transformers
+from hf_models import save_random_model
 from test_cli import losses
-from test_convert_hf import VOCAB, _train, convert, save_random_model
+from test_convert_hf import VOCAB, _train, convert
 
 
 def test_qwen2_with_28_heads_trains_at_sp8_with_sp1_losses(tmp_path):
