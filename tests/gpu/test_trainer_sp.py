@@ -20,6 +20,9 @@ then checks one property of their logs:
   them; resumed from its own checkpoint it logs the uninterrupted run's digits
   (--deterministic-mode).
 - tools/eval_passkey.py at SP 2 (fp32) on the packed run's checkpoint answers as at SP 1.
+- --sft at SP 2 logs SP 1's losses, grad norms and validation losses: packed conversations
+  (tests/helpers/sft_conversations.jsonl through SFTTokenizer, its nemotron-h-aligned format,
+  loss on the assistant turns only) at SFT_SEQ tokens, positions restarting at each one.
 
 Tolerance: SP changes only the rows of each GEMM (s/P instead of s) and the order of the sums
 over ranks, so in bf16 the runs differ by rounding; loss and validation loss within relative
@@ -51,12 +54,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from sft_data import SFT_JSONL
 from test_trainer import REPO, Run, report
 
 ON_CPU = os.environ.get("TRAINER_SP_ON_CPU") == "1"  # set by __main__ below, for debugging
 LAUNCHER = str(REPO / "tests" / "gpu" / "gloo_launcher.py")
 TRACKER = "latest_checkpointed_iteration.txt"
 ITERS, HALF = 8, 4  # train 8 iterations; evaluate and save every 4; resume at 4
+SFT_SEQ = 64  # the fixture's samples: 1 or 2 conversations of 14 to 31 tokens, padded to it
 
 if ON_CPU:
     SEQ, PACKED_SEQ, PASSKEY_LENGTHS = 128, 256, (128, 256)
@@ -120,7 +125,7 @@ def _view(save: Path, iteration: int, where: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, sp_model, corpus_prefix):
+def runs(tmp_path_factory, sp_model, corpus_prefix, sft_tokenizer):
     work = tmp_path_factory.mktemp("sp_runs")
 
     def packed(name):  # each job its own index cache: two jobs would write the same files
@@ -128,6 +133,11 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
                 "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model,
                 "--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss",
                 "--seq-length", str(PACKED_SEQ), "--data-cache-path", str(work / name / "cache")]
+
+    def sft(name):
+        return ["--sft", "--tokenizer-type", "SFTTokenizer", "--tokenizer-model", sft_tokenizer,
+                "--train-data-path", str(SFT_JSONL), "--valid-data-path", str(SFT_JSONL),
+                "--seq-length", str(SFT_SEQ), "--data-cache-path", str(work / name / "cache")]
 
     def saving(name):
         return ["--save", str(work / name / "ckpt"), "--save-interval", str(HALF),
@@ -142,6 +152,8 @@ def runs(tmp_path_factory, sp_model, corpus_prefix):
         _job("packed_sp1", work, 1, 1, [*MODEL, *RUN, *packed("packed_sp1"),
                                         "--save", str(work / "packed_sp1" / "ckpt")]),
         _job("packed_sp2", work, 2, 2, [*MODEL, *RUN, *packed("packed_sp2")]),
+        _job("sft_sp1", work, 1, 1, [*MODEL, *RUN, *sft("sft_sp1")]),
+        _job("sft_sp2", work, 2, 2, [*MODEL, *RUN, *sft("sft_sp2")]),
         _job("memory_sp1", work, 1, 1, [*base, *MEMORY]),
         _job("memory_sp2", work, 2, 2, [*base, *MEMORY]),
         *([] if ON_CPU else [_job("fp8_sp1", work, 1, 1, [*base, *FP8]),
@@ -219,6 +231,12 @@ def test_packed_documents_at_sp2_match_sp1(runs):
     sp1, sp2 = _trained(runs["packed_sp1"], 1, 1), _trained(runs["packed_sp2"], 1, 2)
     assert sp1.losses != runs["sp1"].losses  # the real data, not the mock
     _compare(sp2, sp1, "packed documents sp2 vs sp1")
+
+
+def test_sft_at_sp2_matches_sp1(runs):
+    sp1, sp2 = _trained(runs["sft_sp1"], 1, 1), _trained(runs["sft_sp2"], 1, 2)
+    assert sp1.losses != runs["sp1"].losses  # the conversations, not the mock data
+    _compare(sp2, sp1, "sft sp2 vs sp1")
 
 
 @pytest.mark.skipif(ON_CPU, reason="FP8 needs Transformer Engine on a GPU")
