@@ -81,7 +81,12 @@ def given(args, cls, names=None) -> list:
             if getattr(args, name) != specs[name].default]
 
 
+def off_fields(cls, feature: str) -> list:
+    """(field name, `Flag`) of `cls`'s options that need `feature`."""
+    return [(name, spec) for name, spec in flags_of(cls, inherited=True) if spec.needs == feature]
+
+
 def off_without(cls, feature: str) -> tuple:
     """(flag, field, default) of `cls`'s options that need `feature` (`checks.ignore_without`)."""
     return tuple((option_of(cls, name), name, spec.default)
-                 for name, spec in flags_of(cls, inherited=True) if spec.needs == feature)
+                 for name, spec in off_fields(cls, feature))
