@@ -27,7 +27,7 @@ class Context:
 def section_of(cls, args: argparse.Namespace):
     """The frozen section `cls` of the validated flags: each field is the flag of its name."""
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
-                  if f.init and hasattr(args, f.name)})
+                  if hasattr(args, f.name)})
 
 
 def require(condition: bool, message: str) -> None:

@@ -3,8 +3,9 @@ the flag's default, help and argparse options; `add_flags` makes the section's a
 
 Derived from the field where not given: the flag name (`--field-name`), `dest` (the field),
 `type` (int / float from the annotation) and a switch's action (store_true for a False default,
-store_false for True: its `names` say `--no-...`). A field declared `kept=False` is a flag the
-section's rules read but the frozen config does not keep (not passed to a builder).
+store_false for True: its `names` say `--no-...`). A flag annotated `ClassVar[...]` and
+declared `kept=False` is one the section's rules read but the frozen config does not keep (no
+field, no attribute).
 """
 
 import dataclasses
@@ -28,13 +29,10 @@ class Flag:
 def flag(default=None, help=None, *, names=(), needs=None, cpu=False, kept=True,
          field_default=False, **options):
     """The dataclass field of one flag. `field_default`: the dataclass takes `default` (a list
-    becomes a tuple) as its own; `kept=False`: not a config field (see the module)."""
+    becomes a tuple) as its own; `kept=False`: a `ClassVar` flag (see the module)."""
     meta = {"flag": Flag(default, help, tuple(names), needs, cpu, options)}
-    value = tuple(default) if isinstance(default, list) else default
-    if not kept:
-        return dataclasses.field(default=value, init=False, repr=False, compare=False,
-                                 metadata=meta)
-    if field_default:
+    if field_default and kept:
+        value = tuple(default) if isinstance(default, list) else default
         return dataclasses.field(default=value, metadata=meta)
     return dataclasses.field(metadata=meta)
 
@@ -43,7 +41,7 @@ def flags_of(cls, inherited: bool = False):
     """(field name, `Flag`) of `cls`'s flag fields, in declaration order (its own only, unless
     `inherited`)."""
     own = vars(cls).get("__annotations__", {})
-    return [(f.name, f.metadata["flag"]) for f in dataclasses.fields(cls)
+    return [(f.name, f.metadata["flag"]) for f in cls.__dataclass_fields__.values()
             if "flag" in f.metadata and (inherited or f.name in own)]
 
 
@@ -62,6 +60,8 @@ def add_flags(parser, cls, title: str, description: str = None):
         if spec.default is not None or "action" not in options:
             options.setdefault("default", spec.default)
         annotation = hints[name]
+        if typing.get_origin(annotation) is typing.ClassVar:
+            annotation = typing.get_args(annotation)[0]
         base = [t for t in typing.get_args(annotation) if t is not _NONE] or [annotation]
         if base == [bool] and not options.get("nargs") and "type" not in options:
             options.setdefault("action", "store_false" if spec.default else "store_true")

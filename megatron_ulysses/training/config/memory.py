@@ -2,7 +2,7 @@
 logits + loss, activation offload; off by default, exact) and megatron-core's recompute."""
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import ClassVar, Optional, Tuple, Union
 
 from ...sp.backends import te_available
 from .checks import Context, check_range, ignore_without, require, tiles
@@ -25,7 +25,7 @@ class MemoryFields:
         False, "Keep full-recompute checkpoints in CPU memory (needs --recompute-granularity "
         "full).")
     recompute_granularity: Optional[str] = flag(None, choices=("full", "selective"))
-    recompute_activations: bool = flag(
+    recompute_activations: ClassVar[bool] = flag(
         False, "= --recompute-granularity selective (Megatron-LM's older flag)", kept=False)
     recompute_method: Optional[str] = flag(None, choices=("uniform", "block"))
     recompute_num_layers: Optional[int] = flag(None)

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -60,7 +60,7 @@ _dtype = functools.partial(_flag, "fp32", "with --use-precision-aware-optimizer:
 @dataclasses.dataclass(frozen=True)
 class PerformanceConfig(GradBucketFields):
     """What megatron-core's configs receive from this section (defaults: none of it); the
-    fields declared `kept=False` are Megatron-LM's flags validated here, then refused."""
+    `ClassVar` flags are Megatron-LM's, validated here, then refused."""
 
     fp8: Optional[str] = _flag(  # Transformer Engine's FP8 GEMMs and attention
         None, "FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
@@ -97,13 +97,13 @@ class PerformanceConfig(GradBucketFields):
         "its all-gathers as its forward needs them, instead of the interleaved schedule "
         "starting every stage's at the same point (the default)",
         names=("--no-align-param-gather",), cpu=True).metadata)
-    overlap_param_gather_with_optimizer_step: bool = _flag(
+    overlap_param_gather_with_optimizer_step: ClassVar[bool] = _flag(
         False, "refused, as Megatron-LM refuses it with torch_dist checkpoints (this package's "
         "only format)", kept=False)
     grad_reduce_in_bf16: bool = _flag(
         False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32)",
         needs="--bf16")
-    ddp_average_in_collective: bool = _flag(
+    ddp_average_in_collective: ClassVar[bool] = _flag(
         False, "accepted: the gradient is always summed over DP x SP and divided by the global "
         "batch's token count (per-token loss), so where the division happens does not change "
         "it", kept=False, cpu=True)
@@ -136,12 +136,12 @@ class PerformanceConfig(GradBucketFields):
     disable_bf16_reduced_precision_matmul: bool = _flag(
         False, "with --bf16: cuBLAS accumulates bf16 GEMMs in full precision (torch's "
         "allow_bf16_reduced_precision_reduction off)")
-    tp_comm_overlap: bool = _flag(
+    tp_comm_overlap: ClassVar[bool] = _flag(
         False, "TE userbuffers TP overlap: validated, not wired yet (refused)", kept=False)
-    tp_comm_overlap_cfg: Optional[str] = _flag(
+    tp_comm_overlap_cfg: ClassVar[Optional[str]] = _flag(
         None, "with --tp-comm-overlap: the userbuffers YAML", needs="--tp-comm-overlap",
         kept=False)
-    cuda_graph_impl: str = _flag(
+    cuda_graph_impl: ClassVar[str] = _flag(
         "none", "CUDA graphs: only none (the others are not wired)", kept=False,
         choices=("none", "local", "transformer_engine", "full_iteration"))
     defer_embedding_wgrad_compute: bool = _flag(
@@ -165,17 +165,21 @@ class PerformanceConfig(GradBucketFields):
         "optim_grads_params", "with --use-megatron-fsdp: what is sharded over DP x SP: "
         "no_shard (nothing), optim (optimizer state), optim_grads (+ gradients), "
         "optim_grads_params (+ parameters)", choices=_SHARDING)
-    init_model_with_meta_device: bool = _flag(False, "with --use-megatron-fsdp", kept=False)
-    nccl_ub: bool = _flag(False, "with --use-megatron-fsdp", names=("--use-nccl-ub",),
-                          kept=False)
-    fsdp_double_buffer: bool = _fsdp(False, "with --use-megatron-fsdp", kept=False)
-    fsdp_manual_registration: bool = _flag(False, "with --use-megatron-fsdp and --use-nccl-ub",
-                                           kept=False)
-    megatron_fsdp_main_params_dtype: str = _fsdp("fp32", choices=_FSDP_DTYPES, kept=False)
-    megatron_fsdp_main_grads_dtype: str = _fsdp("auto", choices=_FSDP_DTYPES, kept=False)
-    megatron_fsdp_grad_comm_dtype: str = _fsdp("auto", choices=_FSDP_DTYPES, kept=False)
-    outer_dp_sharding_strategy: str = _fsdp("no_shard", "with --use-megatron-fsdp",
-                                            choices=("no_shard", "optim"), kept=False)
+    init_model_with_meta_device: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp",
+                                                        kept=False)
+    nccl_ub: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp", names=("--use-nccl-ub",),
+                                    kept=False)
+    fsdp_double_buffer: ClassVar[bool] = _fsdp(False, "with --use-megatron-fsdp", kept=False)
+    fsdp_manual_registration: ClassVar[bool] = _flag(
+        False, "with --use-megatron-fsdp and --use-nccl-ub", kept=False)
+    megatron_fsdp_main_params_dtype: ClassVar[str] = _fsdp("fp32", choices=_FSDP_DTYPES,
+                                                           kept=False)
+    megatron_fsdp_main_grads_dtype: ClassVar[str] = _fsdp("auto", choices=_FSDP_DTYPES,
+                                                          kept=False)
+    megatron_fsdp_grad_comm_dtype: ClassVar[str] = _fsdp("auto", choices=_FSDP_DTYPES,
+                                                         kept=False)
+    outer_dp_sharding_strategy: ClassVar[str] = _fsdp(
+        "no_shard", "with --use-megatron-fsdp", choices=("no_shard", "optim"), kept=False)
 
 
 def transformer_kwargs(perf: PerformanceConfig) -> dict:
