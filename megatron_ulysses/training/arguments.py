@@ -14,8 +14,9 @@ import torch
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..data.vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
-from .config import (bounds, checkpoint, compat, data, fusions, grad_buckets, logging, memory,
-                     model, optimizer, parallel, performance, refused, training)
+from .config import (bounds, checkpoint, data, fusions, grad_buckets, logging, memory, model,
+                     optimizer, parallel, performance, training)
+from .config.megatron_lm import compat, refused
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context, require
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)

@@ -19,7 +19,7 @@ from launcher import pretrain
 from test_cli import launch, losses, validation
 
 from megatron_ulysses.training.arguments import ConfigError, build_parser, parse_args
-from megatron_ulysses.training.config.refused import out_of_scope
+from megatron_ulysses.training.config.megatron_lm.refused import out_of_scope
 
 pytestmark = pytest.mark.core_version  # megatron-core's version changes what these test
 

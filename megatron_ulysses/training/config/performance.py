@@ -34,6 +34,7 @@ from .checks import Context, check_range, ignore_without, require
 from . import fields
 from .fields import add_flags, flag
 from .grad_buckets import GradBucketFields
+from .megatron_lm.refused import not_wired, refuse_values
 
 _SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
@@ -277,9 +278,7 @@ def validate(args, ctx: Context) -> None:
     _check_tp_comm_overlap(args, ctx)
     _check_megatron_fsdp(args, ctx)
     _refuse_megatron_fsdp_optim(args)
-    require(args.cuda_graph_impl == "none",
-            f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not wired into "
-            "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
+    refuse_values(args, ("cuda_graph_impl",))
 
 
 def _gpu_flags() -> list:
@@ -322,10 +321,7 @@ def _check_fp8(args) -> None:
             "--fp8-dot-product-attention runs TE's FP8 attention kernel: it needs "
             f"--ulysses-attention-backend te, not {args.ulysses_attention_backend}")
     if args.fp8_dot_product_attention:
-        raise_not_wired("--fp8-dot-product-attention", "Transformer Engine 2.20.2 found no FP8 "
-                        "attention kernel for the head-sharded q, k, v between the all-to-alls "
-                        "(H100, head dim 64: 'No dot product attention backend is available'); "
-                        "drop it (the linear layers still run in FP8)")
+        not_wired("--fp8-dot-product-attention")
 
 
 def _check_bf16_layers(args) -> None:
@@ -423,8 +419,7 @@ def _check_tp_comm_overlap(args, ctx: Context) -> None:
             "it needs --tensor-model-parallel-size > 1 and --sequence-parallel")
     require(args.transformer_impl == "transformer_engine",
             "--tp-comm-overlap needs --transformer-impl transformer_engine")
-    raise_not_wired("--tp-comm-overlap", "Transformer Engine's userbuffers are not "
-                    "initialized for the Ulysses-local sequence")
+    not_wired("--tp-comm-overlap")
 
 
 def _check_torch_fsdp2(args, ctx: Context) -> None:
@@ -465,9 +460,7 @@ def _check_megatron_fsdp(args, ctx: Context) -> None:
     require(not args.fsdp_manual_registration or (args.use_megatron_fsdp and args.nccl_ub),
             "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub")
     if given:
-        raise_not_wired(", ".join(given), "Megatron-FSDP's meta-device initialization, NCCL "
-                        "user buffers, double buffer, dtypes and outer (HSDP) sharding are not "
-                        "wired into megatron_ulysses' model build; drop them")
+        not_wired(", ".join(given), "Megatron-FSDP options")
     if not args.use_megatron_fsdp:
         return
     require(ctx.dims.pp == 1, "--use-megatron-fsdp is not wired with pipeline parallelism "
@@ -489,6 +482,3 @@ def _refuse_megatron_fsdp_optim(args) -> None:
             "SP alike, and its losses drifted up to 2% (no_shard, optim_grads and "
             "optim_grads_params matched DDP within 1e-4); use optim_grads or optim_grads_params")
 
-
-def raise_not_wired(flags: str, why: str) -> None:
-    raise ConfigError(f"{flags}: not supported yet: {why}")
