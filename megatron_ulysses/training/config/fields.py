@@ -63,8 +63,8 @@ def add_flags(parser, cls, title: str, description: str = None):
         if typing.get_origin(annotation) is typing.ClassVar:
             annotation = typing.get_args(annotation)[0]
         base = [t for t in typing.get_args(annotation) if t is not _NONE] or [annotation]
-        if base == [bool] and not options.get("nargs") and "type" not in options:
-            options.setdefault("action", "store_false" if spec.default else "store_true")
+        if base == [bool] and not {"action", "nargs", "type"} & set(options):
+            options["action"] = "store_false" if spec.default else "store_true"
             options.pop("default", None)
         elif len(base) == 1 and base[0] in (int, float) and "action" not in options:
             options.setdefault("type", base[0])

@@ -210,6 +210,11 @@ REFUSED_VALUES = (
      "job would kill them); send SIGTERM (e.g. SLURM's --signal=TERM@120)"),
     ("rerun_mode", ("disabled", "validate_results"), "--rerun-mode {value} needs megatron-core's "
      "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled"),
+    ("non_persistent_save_interval", (None,), "--non-persistent-save-interval: non-persistent "
+     "(local / global) checkpoints are not supported; use --save-interval"),
+    ("ckpt_format", ("torch", "torch_dist", "torch_dcp"), "--ckpt-format {value}: Megatron "
+     "FSDP's checkpoint format is not written here; use --ckpt-format torch_dist (the default; "
+     "--use-megatron-fsdp runs without --save / --load, --use-torch-fsdp2 saves torch_dist)"),
     ("cuda_graph_impl", ("none",), "--cuda-graph-impl {value}: CUDA graphs are not wired into "
      "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none"),
 )
