@@ -11,7 +11,7 @@ from typing import ClassVar, Optional, Tuple
 from ...errors import ConfigError, flag_name
 from ...sp.parallel_state import TP_PP_DP_ORDER, ParallelDims
 from .checks import Context, check_range, ignore_without, require
-from .fields import add_flags, flag
+from .fields import add_flags, flag, off_without
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 # Pipeline (PP > 1) flags whose values megatron-core's TransformerConfig and schedules take.
@@ -20,6 +20,8 @@ _PIPELINE_ONLY = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_nu
                   "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank",
                   "overlap_p2p_communication_warmup_flush")
+_VIRTUAL = ("a virtual pipeline, --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank")
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ class PipelineFields:
     decoder_last_pipeline_num_layers: Optional[int] = flag(None)
     num_layers_per_virtual_pipeline_stage: ClassVar[Optional[int]] = flag(None, kept=False)
     num_virtual_stages_per_pipeline_rank: ClassVar[Optional[int]] = flag(None, kept=False)
-    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = flag(None)
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = flag(None, needs=_VIRTUAL)
     account_for_embedding_in_pipeline_split: bool = flag(False)
     account_for_loss_in_pipeline_split: bool = flag(False)
     overlap_p2p_communication_warmup_flush: bool = flag(False)
@@ -137,10 +139,7 @@ def validate(args, ctx: Context) -> None:
     else:
         _check_pipeline_layout(args, ctx.dims.pp)
     if args.virtual_pipeline_model_parallel_size is None:  # read by the interleaved schedule
-        ignore_without(args, ctx, "a virtual pipeline, --num-layers-per-virtual-pipeline-stage "
-                       "or --num-virtual-stages-per-pipeline-rank", ((
-                           "--microbatch-group-size-per-virtual-pipeline-stage",
-                           "microbatch_group_size_per_virtual_pipeline_stage", None),))
+        ignore_without(args, ctx, _VIRTUAL, off_without(PipelineFields, _VIRTUAL))
 
 
 def _check_pipeline_layout(args, pp: int) -> None:
