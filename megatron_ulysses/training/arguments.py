@@ -61,7 +61,8 @@ class _Parser(argparse.ArgumentParser):
         return [flag for _, _, flags in self.groups for flag in flags]
 
     def option_strings(self) -> list:
-        return ["-h", "--help"] + [name for names, _, _ in self.flags() for name in names]
+        return ["-h", "--help"] + [name for _, _, action in self.flags()
+                                   for name in action.option_strings]
 
     def parse_all(self, raw) -> argparse.Namespace:
         """Parse `raw`, collecting every problem (bad values, missing required flags, unknown
