@@ -18,6 +18,8 @@ _NONE = type(None)
 
 @dataclass(frozen=True)
 class Flag:
+    """One flag's declaration (`flag` puts it in its field's metadata)."""
+
     default: object
     help: Optional[str]
     names: Tuple[str, ...]
@@ -56,9 +58,7 @@ def add_flags(parser, cls, title: str, description: str = None):
     group = parser.add_argument_group(title, description)
     hints = typing.get_type_hints(cls)
     for name, spec in flags_of(cls):
-        options = dict(spec.options)
-        if spec.default is not None or "action" not in options:
-            options.setdefault("default", spec.default)
+        options = {"default": spec.default, **spec.options}
         annotation = hints[name]
         if typing.get_origin(annotation) is typing.ClassVar:
             annotation = typing.get_args(annotation)[0]
