@@ -69,7 +69,7 @@ def build_parser(model_flags_required: bool = True) -> argparse.ArgumentParser:
     parser = arguments.build_parser(model_flags_required)
     parser.prog = PROG
     parser.description = __doc__.split("\n\n")[0]
-    for action in parser._actions:
+    for _, _, action in parser.flags():
         if action.dest == "seq_length":
             action.required, action.help = False, "set from each --lengths value; not given"
         elif action.dest == "micro_batch_size":

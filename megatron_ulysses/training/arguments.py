@@ -14,8 +14,9 @@ import torch
 from ..errors import ConfigError, flag_name  # noqa: F401 (re-exported)
 from ..data.vocab import padded_vocab_size  # noqa: F401 (re-exported)
 from .config import RunConfig, from_namespace, rules
-from .config import (bounds, checkpoint, compat, data, fusions, grad_buckets, logging, memory,
-                     model, optimizer, parallel, performance, refused, training)
+from .config import (bounds, checkpoint, data, fusions, grad_buckets, logging, memory, model,
+                     optimizer, parallel, performance, training)
+from .config.megatron_lm import compat, refused
 from .config.checkpoint import apply_checkpoint_args
 from .config.checks import Context, require
 from .config.checks import check_writable_dir  # noqa: F401 (re-exported)
@@ -29,12 +30,39 @@ _RULES = (data, model, memory, fusions, training, optimizer, parallel, bounds, c
           logging, performance, grad_buckets, compat)
 
 
+_STRICT = ("type", "choices", "required")  # what argparse would stop at, at the first problem
+
+
 class _Parser(argparse.ArgumentParser):
     """An argparse error is one line (the flag and what is wrong), not the 80-line usage; all the
-    problems of a command line are reported together (`parse_all`)."""
+    problems of a command line are reported together (`parse_all`). Each group and flag the
+    sections add is kept (`groups`: arguments, flags as (option strings, options, action))."""
+
+    def __init__(self, *args, **kwargs):
+        self.groups, self.defaults, self.recording = [], {}, False
+        super().__init__(*args, **kwargs)
+        self.recording = True  # (not argparse's own groups)
+
+    def add_argument_group(self, *args, **kwargs):
+        group = super().add_argument_group(*args, **kwargs)
+        if not self.recording:
+            return group
+        self.groups.append((args, kwargs, []))
+        return _Recorded(group, self.groups[-1][2])
+
+    def set_defaults(self, **kwargs):
+        self.defaults.update(kwargs)
+        super().set_defaults(**kwargs)
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+    def flags(self) -> list:
+        return [flag for _, _, flags in self.groups for flag in flags]
+
+    def option_strings(self) -> list:
+        return ["-h", "--help"] + [name for _, _, action in self.flags()
+                                   for name in action.option_strings]
 
     def parse_all(self, raw) -> argparse.Namespace:
         """Parse `raw`, collecting every problem (bad values, missing required flags, unknown
@@ -50,26 +78,39 @@ class _Parser(argparse.ArgumentParser):
         return namespace
 
 
-def _parse_leniently(parser, raw):
-    """Pass 1 reads the words without types, choices or required flags (argparse would exit at
-    the first bad one); pass 2 applies them to the given values, collecting the problems."""
-    actions = [a for a in parser._actions if a.type or a.choices or a.required]
-    saved = [(a.type, a.choices, a.required) for a in actions]
-    try:
-        for action in actions:
-            action.type, action.choices, action.required = None, None, False
-        namespace, unknown = parser.parse_known_args(raw)
-    finally:
-        for action, (type_, choices, required) in zip(actions, saved):
-            action.type, action.choices, action.required = type_, choices, required
+class _Recorded:
+    """An argparse group whose `add_argument` also records the flag in `flags`."""
+
+    def __init__(self, group, flags: list):
+        self._group, self._flags = group, flags
+
+    def add_argument(self, *names, **options):
+        action = self._group.add_argument(*names, **options)
+        self._flags.append((names, options, action))
+        return action
+
+
+def _parse_leniently(parser: _Parser, raw):
+    """Pass 1 reads the words with a copy of `parser` without types, choices or required flags
+    (argparse would exit at the first bad one; --help is the copy's); pass 2 applies them to the
+    given values, one flag at a time, collecting the problems."""
+    lenient = _Parser(prog=parser.prog, description=parser.description, allow_abbrev=False)
+    for args, kwargs, flags in parser.groups:
+        group = lenient.add_argument_group(*args, **kwargs)
+        for names, options, _ in flags:
+            group.add_argument(*names, **{k: v for k, v in options.items() if k not in _STRICT})
+    lenient.set_defaults(**parser.defaults)
+    namespace, unknown = lenient.parse_known_args(raw)
     problems, missing = [], []
-    for action in actions:
+    for names, options, action in parser.flags():
         value = getattr(namespace, action.dest, None)
+        if not _STRICT & options.keys():
+            continue
         if action.required and value is None:
-            missing.append("/".join(action.option_strings))
+            missing.append("/".join(names))
         elif isinstance(value, str) or (isinstance(value, list) and value is not action.default):
             try:
-                setattr(namespace, action.dest, _typed(parser, action, value))
+                setattr(namespace, action.dest, _typed(names, options, value))
             except argparse.ArgumentError as error:
                 problems.append(str(error))
     if missing:
@@ -77,14 +118,13 @@ def _parse_leniently(parser, raw):
     return namespace, unknown, problems
 
 
-def _typed(parser, action, value):
-    """`value` (a word, or the words of an nargs flag) through the action's type and choices."""
-    words = value if isinstance(value, list) else [value]
-    typed = [parser._get_value(action, word) if isinstance(word, str) else word
-             for word in words]
-    for item in typed:
-        parser._check_value(action, item)
-    return typed if isinstance(value, list) else typed[0]
+def _typed(names, options, value):
+    """`value` (a word, or the words of an nargs flag) through the flag's type and choices: a
+    parser of that one flag reads it."""
+    one = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    action = one.add_argument(*names, **{k: v for k, v in options.items() if k != "required"})
+    words = [f"{names[0]}={value}"] if isinstance(value, str) else [names[0], *value]
+    return getattr(one.parse_args(words), action.dest)
 
 
 def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
@@ -106,7 +146,7 @@ def _out_of_scope_and_unknown(parser, namespace, unknown) -> list:
     if groups or extra:
         problems.append(refused.refusal(groups, extra))
     named = {name for names in groups.values() for name in names}
-    known = list(parser._option_string_actions)
+    known = parser.option_strings()
     words = [" ".join([word] + values) + _did_you_mean(word, known)
              for word, values in given.items() if word not in named]
     if words:

@@ -20,9 +20,9 @@ from megatron_ulysses.data.tokenizers import build_tokenizer
 from megatron_ulysses.sp.layer_specs import ZeroCenteredNorm
 from megatron_ulysses.training import model as model_builders
 from megatron_ulysses.training.arguments import ConfigError, parse_args
-from megatron_ulysses.training.config import compat
-from megatron_ulysses.training.config.compat import IGNORED
-from megatron_ulysses.training.config.refused import NOT_BUILT, OUT_OF_SCOPE
+from megatron_ulysses.training.config.megatron_lm import compat
+from megatron_ulysses.training.config.megatron_lm.compat import IGNORED
+from megatron_ulysses.training.config.megatron_lm.refused import NOT_BUILT, OUT_OF_SCOPE
 from megatron_ulysses.data.vocab import model_vocab_size
 
 pytestmark = pytest.mark.core_version  # megatron-core's version changes what these test

@@ -19,7 +19,7 @@ from launcher import pretrain
 from test_cli import launch, losses, validation
 
 from megatron_ulysses.training.arguments import ConfigError, build_parser, parse_args
-from megatron_ulysses.training.config.refused import out_of_scope
+from megatron_ulysses.training.config.megatron_lm.refused import out_of_scope
 
 pytestmark = pytest.mark.core_version  # megatron-core's version changes what these test
 
@@ -114,7 +114,7 @@ def test_megatron_lm_set_is_accepted_at_sp2(argset, paths):
 def test_gpu_flags_of_the_set_are_megatron_lms(argset):
     # The GPU suite appends `gpu`; here every flag of the set must at least be known (a GPU-only
     # flag is validated, and on CPU refused by name, never as an unknown flag).
-    known = set(build_parser()._option_string_actions)
+    known = set(build_parser().option_strings())
     assert sorted(_flags(argset.argv + argset.gpu) - known) == []
 
 
@@ -134,7 +134,7 @@ def test_every_megatron_lm_flag_is_taken_or_refused_by_name():
     flags = [line.strip() for line in listed.open()
              if line.startswith("--")]
     assert len(flags) > 800
-    known = set(build_parser()._option_string_actions)
+    known = set(build_parser().option_strings())
     unknown = [flag for flag in flags if flag not in known]
     named = {flag for group in out_of_scope(unknown).values() for flag in group}
     assert sorted(set(unknown) - named) == []

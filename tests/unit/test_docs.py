@@ -39,7 +39,7 @@ def _parser(model_flags_required: bool = True):
 
 
 def _options() -> set:
-    return {o for action in _parser()._actions for o in action.option_strings}
+    return set(_parser().option_strings())
 
 
 def _megatron_lm_flags() -> set:

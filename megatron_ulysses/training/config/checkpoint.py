@@ -7,120 +7,101 @@ import inspect
 import os
 import pathlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ...data.tokenizer_flags import TOKENIZER_TYPES
 from ...errors import ConfigError, flag_name
 from ...sp.rope import YARN_CONFIG
 from .checks import Context, check_output_dir, check_range, ignore_without, require
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    save: Optional[str]
-    load: Optional[str]
-    save_interval: Optional[int]
-    no_load_optim: bool
-    no_load_rng: bool
-    finetune: bool
-    ckpt_fully_parallel_save: bool
-    ckpt_fully_parallel_load: bool = False
-    ckpt_assume_constant_structure: bool = False
-    dist_ckpt_strictness: str = "assume_ok_unexpected"
-    save_retain_interval: Optional[int] = None
-    no_save_optim: bool = False
-    no_save_rng: bool = False
-    async_save: bool = False
-    async_strategy: str = "mcore"
-    async_ckpt_use_cpu_shm: bool = False
-    verify_integrity: bool = False
-    log_progress: bool = False  # progress.txt also records deleted checkpoints
-
-
-def add_arguments(parser) -> None:
-    g = parser.add_argument_group("checkpoints")
-    g.add_argument("--save", type=str, default=None)
-    g.add_argument("--load", type=str, default=None)
-    g.add_argument("--save-interval", "--persistent-save-interval", type=int, default=None)
-    g.add_argument("--no-load-optim", action="store_true")
-    g.add_argument("--ckpt-fully-parallel-save", action=argparse.BooleanOptionalAction,
-                   default=True, help="spread the writing of tensors replicated over DP x SP "
-                   "across their replicas (Megatron-LM's default; --no-ckpt-fully-parallel-save: "
-                   "the first replica writes each)")
-    g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--finetune", action="store_true",
-                   help="load model weights only; iteration and consumed samples start at 0")
-    _add_checkpoint_args_arguments(parser, g)
-    g.add_argument("--ckpt-format", choices=CKPT_FORMATS, default="torch_dist",
-                   help="checkpoints are megatron-core dist_checkpointing (torch_dist); torch "
-                   "and torch_dcp write torch_dist too (Megatron-LM loads it), with a warning")
-    g.add_argument("--ckpt-fully-parallel-load", action="store_true",
-                   help="each DP x SP replica reads a slice of the replicated tensors and they "
-                   "exchange them (megatron-core's FullyParallelLoadStrategyWrapper)")
-    g.add_argument("--ckpt-assume-constant-structure", action="store_true",
-                   help="cache the save plan and its distribution across saves (the state's "
-                   "structure never changes within a run)")
-    g.add_argument("--dist-ckpt-strictness", choices=STRICTNESS, default="assume_ok_unexpected",
-                   help="keys of the checkpoint this run does not load: log_all logs them, "
-                   "raise_all refuses the load; keys this run needs and the checkpoint lacks "
-                   "are always refused (megatron-core's StrictHandling)")
-    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="the optimizer state is always saved in the fully_reshardable layout")
-    g.add_argument("--save-retain-interval", type=int, default=None,
-                   help="after each save, delete the previous checkpoint unless its iteration "
-                   "is a multiple of this (a multiple of --save-interval)")
-    g.add_argument("--non-persistent-save-interval", type=int, default=None,
-                   help="not supported: non-persistent (local / global) checkpoints")
-    g.add_argument("--no-save-optim", action="store_true",
-                   help="save no optimizer state or LR schedule (resume with --no-load-optim)")
-    g.add_argument("--no-save-rng", action="store_true",
-                   help="save no RNG states (resume with --no-load-rng)")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: stop if it holds no checkpoint instead of training "
-                   "from scratch")
-    _add_async_arguments(g)
-    g.add_argument("--verify-integrity", action="store_true",
-                   help="SHA-256 of every checkpoint file on save, checked on load "
-                   "(megatron-core >= 0.19)")
-
-
-
-def _add_checkpoint_args_arguments(parser, g) -> None:
-    """--use-checkpoint-args and what it takes from the checkpoint."""
-    g.add_argument("--use-checkpoint-args", action="store_true",
-                   help="with --load: take the model's shape flags (--num-layers, "
-                   "--hidden-size, heads, RoPE, norms, TP/PP, the vocab padding, ...) from the "
-                   "checkpoint where the command line does not give them, and its tokenizer "
-                   "(--tokenizer-type, --tokenizer-model) over the command line's")
-    g.add_argument("--use-mp-args-from-checkpoint-args", action="store_true",
-                   help="with --use-checkpoint-args: TP and PP from the checkpoint even where "
-                   "the command line gives them")
-    g.add_argument("--no-use-tokenizer-model-from-checkpoint-args",
-                   "--disable-use-tokenizer-model-from-checkpoint-args",
-                   dest="use_tokenizer_model_from_checkpoint_args", action="store_false",
-                   help="with --use-checkpoint-args: the tokenizer from the command line, not "
-                   "the checkpoint's --tokenizer-type and --tokenizer-model (which "
-                   "--use-checkpoint-args takes over the command line's, as in Megatron-LM)")
-    # what --use-checkpoint-args took over the command line, said by `validate`
-    parser.set_defaults(checkpoint_args_warnings=())
-
-
-def _add_async_arguments(g) -> None:
-    """--async-save and Megatron-LM's options of its writer."""
-    g.add_argument("--async-save", action="store_true",
-                   help="write checkpoints in the background (with --use-persistent-ckpt-worker, "
-                   "as Megatron-LM requires); the tracker moves when the write is complete")
-    g.add_argument("--use-persistent-ckpt-worker", action="store_true")
-    g.add_argument("--async-strategy", choices=("nvrx", "mcore"), default="nvrx",
-                   help="async saves always use megatron-core's queue (mcore); nvrx says so")
-    g.add_argument("--async-ckpt-use-cpu-shm", action="store_true",
-                   help="nvidia-resiliency-ext's CPU shared-memory staging: not used (a "
-                   "warning says so); megatron-core's queue stages in process memory")
+from .fields import add_flags, flag, off_without
+from .megatron_lm.refused import refuse_values
 
 
 CKPT_FORMATS = ("torch", "torch_dist", "torch_dcp", "fsdp_dtensor")
 STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
               "raise_all", "return_unexpected", "return_all", "ignore_all")
+_FROM_CHECKPOINT = "--use-checkpoint-args"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save: Optional[str] = flag(None, type=str)
+    load: Optional[str] = flag(None, type=str)
+    save_interval: Optional[int] = flag(None, names=("--save-interval",
+                                                     "--persistent-save-interval"))
+    no_load_optim: bool = flag(False)
+    ckpt_fully_parallel_save: bool = flag(
+        True, "spread the writing of tensors replicated over DP x SP across their replicas "
+        "(Megatron-LM's default; --no-ckpt-fully-parallel-save: the first replica writes each)",
+        action=argparse.BooleanOptionalAction)
+    no_load_rng: bool = flag(False)
+    finetune: bool = flag(
+        False, "load model weights only; iteration and consumed samples start at 0",
+        needs="--load")
+    # --use-checkpoint-args and what it takes from the checkpoint
+    use_checkpoint_args: ClassVar[bool] = flag(
+        False, "with --load: take the model's shape flags (--num-layers, --hidden-size, heads, "
+        "RoPE, norms, TP/PP, the vocab padding, ...) from the checkpoint where the command line "
+        "does not give them, and its tokenizer (--tokenizer-type, --tokenizer-model) over the "
+        "command line's", kept=False)
+    use_mp_args_from_checkpoint_args: ClassVar[bool] = flag(
+        False, "with --use-checkpoint-args: TP and PP from the checkpoint even where the "
+        "command line gives them", needs=_FROM_CHECKPOINT, kept=False)
+    use_tokenizer_model_from_checkpoint_args: ClassVar[bool] = flag(
+        True, "with --use-checkpoint-args: the tokenizer from the command line, not the "
+        "checkpoint's --tokenizer-type and --tokenizer-model (which --use-checkpoint-args takes "
+        "over the command line's, as in Megatron-LM)", needs=_FROM_CHECKPOINT, kept=False,
+        names=("--no-use-tokenizer-model-from-checkpoint-args",
+               "--disable-use-tokenizer-model-from-checkpoint-args"))
+    ckpt_format: ClassVar[str] = flag(
+        "torch_dist", "checkpoints are megatron-core dist_checkpointing (torch_dist); torch and "
+        "torch_dcp write torch_dist too (Megatron-LM loads it), with a warning",
+        choices=CKPT_FORMATS, kept=False)
+    ckpt_fully_parallel_load: bool = flag(
+        False, "each DP x SP replica reads a slice of the replicated tensors and they exchange "
+        "them (megatron-core's FullyParallelLoadStrategyWrapper)")
+    ckpt_assume_constant_structure: bool = flag(
+        False, "cache the save plan and its distribution across saves (the state's structure "
+        "never changes within a run)")
+    dist_ckpt_strictness: str = flag(
+        "assume_ok_unexpected", "keys of the checkpoint this run does not load: log_all logs "
+        "them, raise_all refuses the load; keys this run needs and the checkpoint lacks are "
+        "always refused (megatron-core's StrictHandling)", choices=STRICTNESS)
+    dist_ckpt_optim_fully_reshardable: ClassVar[bool] = flag(
+        False, "the optimizer state is always saved in the fully_reshardable layout",
+        kept=False)
+    save_retain_interval: Optional[int] = flag(
+        None, "after each save, delete the previous checkpoint unless its iteration is a "
+        "multiple of this (a multiple of --save-interval)")
+    non_persistent_save_interval: ClassVar[Optional[int]] = flag(
+        None, "not supported: non-persistent (local / global) checkpoints", kept=False)
+    no_save_optim: bool = flag(
+        False, "save no optimizer state or LR schedule (resume with --no-load-optim)")
+    no_save_rng: bool = flag(False, "save no RNG states (resume with --no-load-rng)")
+    exit_on_missing_checkpoint: ClassVar[bool] = flag(
+        False, "with --load: stop if it holds no checkpoint instead of training from scratch",
+        needs="--load", kept=False)
+    # --async-save and Megatron-LM's options of its writer
+    async_save: bool = flag(
+        False, "write checkpoints in the background (with --use-persistent-ckpt-worker, as "
+        "Megatron-LM requires); the tracker moves when the write is complete")
+    use_persistent_ckpt_worker: ClassVar[bool] = flag(False, kept=False)
+    async_strategy: str = flag(
+        "nvrx", "async saves always use megatron-core's queue (mcore); nvrx says so",
+        choices=("nvrx", "mcore"))
+    async_ckpt_use_cpu_shm: bool = flag(
+        False, "nvidia-resiliency-ext's CPU shared-memory staging: not used (a warning says "
+        "so); megatron-core's queue stages in process memory")
+    verify_integrity: bool = flag(
+        False, "SHA-256 of every checkpoint file on save, checked on load (megatron-core >= "
+        "0.19)")
+    log_progress: bool = False  # progress.txt also records deleted checkpoints
+
+
+def add_arguments(parser) -> None:
+    add_flags(parser, CheckpointConfig, "checkpoints")
+    # what --use-checkpoint-args took over the command line, said by `validate`
+    parser.set_defaults(checkpoint_args_warnings=())
 
 
 def check_values(args) -> None:
@@ -138,26 +119,16 @@ def validate(args, ctx: Context) -> None:
     require(not (args.use_checkpoint_args and args.load is None),
             "--use-checkpoint-args needs --load (as in Megatron-LM)")
     if args.load is None:  # Megatron-LM loads nothing, so reads them not
-        ignore_without(args, ctx, "--load", (("--finetune", "finetune", False),
-                                             ("--exit-on-missing-checkpoint",
-                                              "exit_on_missing_checkpoint", False)))
+        ignore_without(args, ctx, "--load", off_without(CheckpointConfig, "--load"))
     if not args.use_checkpoint_args:
-        ignore_without(args, ctx, "--use-checkpoint-args", (
-            ("--use-mp-args-from-checkpoint-args", "use_mp_args_from_checkpoint_args", False),
-            ("--no-use-tokenizer-model-from-checkpoint-args",
-             "use_tokenizer_model_from_checkpoint_args", True)))
+        ignore_without(args, ctx, _FROM_CHECKPOINT, off_without(CheckpointConfig,
+                                                                _FROM_CHECKPOINT))
     ctx.warnings.extend(args.checkpoint_args_warnings)
     if args.exit_on_missing_checkpoint:
         require(os.path.isfile(os.path.join(args.load, "latest_checkpointed_iteration.txt")),
                 f"--exit-on-missing-checkpoint: no checkpoint at --load {args.load} (its "
                 "latest_checkpointed_iteration.txt is missing)")
-    require(args.non_persistent_save_interval is None,
-            "--non-persistent-save-interval: non-persistent (local / global) checkpoints are "
-            "not supported; use --save-interval")
-    require(args.ckpt_format != "fsdp_dtensor", "--ckpt-format fsdp_dtensor: Megatron FSDP's "
-            "checkpoint format is not written here; use --ckpt-format torch_dist (the default; "
-            "--use-megatron-fsdp runs without --save / --load, --use-torch-fsdp2 saves "
-            "torch_dist)")
+    refuse_values(args, ("non_persistent_save_interval", "ckpt_format"))
     if args.ckpt_format in ("torch", "torch_dcp"):
         ctx.warnings.append(f"--ckpt-format {args.ckpt_format}: checkpoints are written as "
                             "torch_dist (megatron-core dist_checkpointing; Megatron-LM loads it)")

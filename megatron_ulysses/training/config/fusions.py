@@ -5,39 +5,31 @@ from dataclasses import dataclass
 
 from ...sp.backends import te_available
 from .checks import Context, require
+from .fields import add_flags, flag
 
 
 @dataclass(frozen=True)
 class FusionFields:
     """`ModelConfig`'s fusion fields."""
 
-    no_rope_fusion: bool  # also set by the rules where TE's fused RoPE would overflow
-    no_gradient_accumulation_fusion: bool
-    no_bias_swiglu_fusion: bool
-    no_bias_gelu_fusion: bool
-    no_bias_dropout_fusion: bool
-    cross_entropy_loss_fusion: bool
-    cross_entropy_fusion_impl: str
+    # also set by the rules where TE's fused RoPE would overflow
+    no_rope_fusion: bool = flag(
+        False, "unfused RoPE (default: TE's fused RoPE when TE is installed)")
+    no_gradient_accumulation_fusion: bool = flag(
+        False, "unfused weight-gradient accumulation (default: fused into main_grad when apex's "
+        "fused_weight_gradient_mlp_cuda is installed)")
+    no_bias_swiglu_fusion: bool = flag(False, "unfused (bias +) SwiGLU")
+    no_bias_gelu_fusion: bool = flag(False, "unfused bias + GeLU (fused only with biases)")
+    no_bias_dropout_fusion: bool = flag(False, "unfused bias + dropout + add")
+    cross_entropy_loss_fusion: bool = flag(
+        False, "fused vocab-parallel cross entropy (off by default, as in Megatron-LM)")
+    cross_entropy_fusion_impl: str = flag(
+        "native", "with --cross-entropy-loss-fusion: megatron-core's or TE's kernel",
+        choices=("native", "te"))
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group(
-        "fusions (GPU; on by default as in Megatron-LM, off on CPU)")
-    g.add_argument("--no-rope-fusion", action="store_true",
-                   help="unfused RoPE (default: TE's fused RoPE when TE is installed)")
-    g.add_argument("--no-gradient-accumulation-fusion", action="store_true",
-                   help="unfused weight-gradient accumulation (default: fused into main_grad "
-                   "when apex's fused_weight_gradient_mlp_cuda is installed)")
-    g.add_argument("--no-bias-swiglu-fusion", action="store_true",
-                   help="unfused (bias +) SwiGLU")
-    g.add_argument("--no-bias-gelu-fusion", action="store_true",
-                   help="unfused bias + GeLU (fused only with biases)")
-    g.add_argument("--no-bias-dropout-fusion", action="store_true",
-                   help="unfused bias + dropout + add")
-    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
-                   help="fused vocab-parallel cross entropy (off by default, as in Megatron-LM)")
-    g.add_argument("--cross-entropy-fusion-impl", choices=("native", "te"), default="native",
-                   help="with --cross-entropy-loss-fusion: megatron-core's or TE's kernel")
+    add_flags(parser, FusionFields, "fusions (GPU; on by default as in Megatron-LM, off on CPU)")
 
 
 def validate(args, ctx: Context) -> None:

@@ -4,22 +4,36 @@ NCCL-friendly padding, the reduction's fp32 accumulation and its fused division.
 DistributedDataParallelConfig (CPU and GPU: the buckets are the same over gloo)."""
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
 from .checks import Context, check_range, require
+from .fields import add_flags, flag
+
+_flag = functools.partial(flag, field_default=True, cpu=True)
 
 
 @dataclass(frozen=True)
 class GradBucketFields:
     """DistributedDataParallelConfig's bucket fields (defaults: megatron-core's)."""
 
-    ddp_bucket_size: Optional[int] = None
-    ddp_num_buckets: Optional[int] = None
-    ddp_pad_buckets_for_high_nccl_busbw: bool = False
-    ddp_reduce_scatter_with_fp32_accumulation: bool = False
-    ddp_param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = ()
-    gradient_reduce_div_fusion: bool = True
+    ddp_bucket_size: Optional[int] = _flag(
+        None, "parameters per gradient bucket (default: megatron-core's, max(40M, 1M x DP x SP) "
+        "with --overlap-grad-reduce, else one bucket)")
+    ddp_num_buckets: Optional[int] = _flag(
+        None, "split the gradients into this many buckets (megatron-core >= 0.19)")
+    ddp_pad_buckets_for_high_nccl_busbw: bool = _flag(
+        False, "pad each bucket to a multiple of 2^16 elements")
+    ddp_reduce_scatter_with_fp32_accumulation: bool = _flag(
+        False, "reduce-scatter low-precision gradients, accumulating in fp32 (with "
+        "--grad-reduce-in-bf16; off with fp32 reduction, as in Megatron-LM)")
+    ddp_param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = _flag(
+        [], "fnmatch patterns of parameters whose gradients accumulate locally in fp32 "
+        "(megatron-core >= 0.19)", nargs="+")
+    gradient_reduce_div_fusion: bool = _flag(
+        True, "divide the gradients after their reduction, not fused into it",
+        names=("--no-gradient-reduce-div-fusion",))
 
 
 # our field -> DistributedDataParallelConfig's (None: the same name)
@@ -32,23 +46,7 @@ _DDP_FIELDS = {"ddp_bucket_size": "bucket_size", "ddp_num_buckets": "num_buckets
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("gradient buckets (megatron-core DDP, Megatron-LM's flags)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="parameters per gradient bucket (default: megatron-core's, "
-                   "max(40M, 1M x DP x SP) with --overlap-grad-reduce, else one bucket)")
-    g.add_argument("--ddp-num-buckets", type=int, default=None,
-                   help="split the gradients into this many buckets (megatron-core >= 0.19)")
-    g.add_argument("--ddp-pad-buckets-for-high-nccl-busbw", action="store_true",
-                   help="pad each bucket to a multiple of 2^16 elements")
-    g.add_argument("--ddp-reduce-scatter-with-fp32-accumulation", action="store_true",
-                   help="reduce-scatter low-precision gradients, accumulating in fp32 (with "
-                   "--grad-reduce-in-bf16; off with fp32 reduction, as in Megatron-LM)")
-    g.add_argument("--ddp-param-name-patterns-for-fp32-local-accumulation", nargs="+",
-                   default=[], help="fnmatch patterns of parameters whose gradients accumulate "
-                   "locally in fp32 (megatron-core >= 0.19)")
-    g.add_argument("--no-gradient-reduce-div-fusion", dest="gradient_reduce_div_fusion",
-                   action="store_false",
-                   help="divide the gradients after their reduction, not fused into it")
+    add_flags(parser, GradBucketFields, "gradient buckets (megatron-core DDP, Megatron-LM's flags)")
 
 
 def check_values(args) -> None:

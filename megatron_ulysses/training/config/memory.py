@@ -2,10 +2,11 @@
 logits + loss, activation offload; off by default, exact) and megatron-core's recompute."""
 
 from dataclasses import dataclass
-from typing import Optional, Tuple, Union
+from typing import ClassVar, Optional, Tuple, Union
 
 from ...sp.backends import te_available
 from .checks import Context, check_range, ignore_without, require, tiles
+from .fields import add_flags, flag, off_without
 
 # megatron-core's selective-recompute submodules of a dense GPT layer.
 RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
@@ -15,33 +16,28 @@ RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm")
 class MemoryFields:
     """`ModelConfig`'s activation-memory fields."""
 
-    tiled_mlp_shards: Union[int, str, None]  # a count, "auto", or None (off)
-    tiled_loss_shards: Union[int, str, None]
-    offload_activations: bool
-    recompute_granularity: Optional[str]
-    recompute_method: Optional[str]
-    recompute_num_layers: Optional[int]
-    recompute_modules: Optional[Tuple[str, ...]]
+    tiled_mlp_shards: Union[int, str, None] = flag(  # a count, "auto", or None (off)
+        None, "Run the MLP over N sequence tiles (or 'auto' = ceil(s/h)).", type=tiles)
+    tiled_loss_shards: Union[int, str, None] = flag(
+        None, "Compute logits + loss over N sequence tiles (or 'auto': 1 GiB tiles).",
+        type=tiles)
+    offload_activations: bool = flag(
+        False, "Keep full-recompute checkpoints in CPU memory (needs --recompute-granularity "
+        "full).")
+    recompute_granularity: Optional[str] = flag(None, choices=("full", "selective"))
+    recompute_activations: ClassVar[bool] = flag(
+        False, "= --recompute-granularity selective (Megatron-LM's older flag)", kept=False)
+    recompute_method: Optional[str] = flag(None, choices=("uniform", "block"))
+    recompute_num_layers: Optional[int] = flag(None)
+    recompute_modules: Optional[Tuple[str, ...]] = flag(
+        None, "with --recompute-granularity selective: the submodules to recompute "
+        "(megatron-core's; default core_attn)", nargs="*", choices=RECOMPUTE_MODULES,
+        needs="--recompute-granularity selective")
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group(
-        "activation memory: ALST memory features (off by default, exact) and recompute")
-    g.add_argument("--tiled-mlp-shards", type=tiles, default=None,
-                   help="Run the MLP over N sequence tiles (or 'auto' = ceil(s/h)).")
-    g.add_argument("--tiled-loss-shards", type=tiles, default=None,
-                   help="Compute logits + loss over N sequence tiles (or 'auto': 1 GiB tiles).")
-    g.add_argument("--offload-activations", action="store_true",
-                   help="Keep full-recompute checkpoints in CPU memory "
-                   "(needs --recompute-granularity full).")
-    g.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
-    g.add_argument("--recompute-activations", action="store_true",
-                   help="= --recompute-granularity selective (Megatron-LM's older flag)")
-    g.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
-    g.add_argument("--recompute-modules", nargs="*", choices=RECOMPUTE_MODULES, default=None,
-                   help="with --recompute-granularity selective: the submodules to recompute "
-                   "(megatron-core's; default core_attn)")
+    add_flags(parser, MemoryFields,
+              "activation memory: ALST memory features (off by default, exact) and recompute")
 
 
 def check_values(args) -> None:
@@ -67,7 +63,7 @@ def validate(args, ctx: Context) -> None:
         args.recompute_method = args.recompute_num_layers = None
     if args.recompute_granularity != "selective":  # megatron-core reads it only there
         ignore_without(args, ctx, "--recompute-granularity selective",
-                       (("--recompute-modules", "recompute_modules", None),))
+                       off_without(MemoryFields, "--recompute-granularity selective"))
     if args.recompute_modules is not None:
         require(len(args.recompute_modules) > 0, "--recompute-modules needs at least one of "
                 + ", ".join(RECOMPUTE_MODULES))

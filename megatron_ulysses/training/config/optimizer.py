@@ -2,9 +2,13 @@
 DDP and the distributed optimizer."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from .checks import Context, check_range, ignore_without, require
+from .fields import add_flags, flag
+
+
+_SCHEDULER = "on --load, take the LR / weight-decay schedule from "
 
 
 @dataclass(frozen=True)
@@ -12,36 +16,83 @@ class OptimizerConfig:
     """Adam, its LR / weight-decay schedule, fp16 loss scaling, DDP and the distributed
     optimizer (`bf16`/`fp16` come from `ModelConfig`)."""
 
-    optimizer: str
-    lr: float
-    min_lr: float
-    lr_decay_style: str
-    lr_warmup_iters: int
-    lr_decay_iters: int
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    clip_grad: float
-    override_opt_param_scheduler: bool
-    use_checkpoint_opt_param_scheduler: bool
-    loss_scale: Optional[float]
-    initial_loss_scale: Optional[float]
-    min_loss_scale: float
-    loss_scale_window: float
-    hysteresis: int
-    use_distributed_optimizer: bool
-    overlap_grad_reduce: bool
-    align_grad_reduce: bool  # with overlap_grad_reduce: the schedule launches each reduction
-    decoupled_lr: Optional[float]
-    decoupled_min_lr: Optional[float]
-    lr_warmup_init: float
-    start_weight_decay: float
-    end_weight_decay: float
-    weight_decay_incr_style: str
-    lr_wsd_decay_style: str
-    apply_wd_to_qk_layernorm: bool
-    calculate_per_token_loss: bool
+    optimizer: str = flag("adam", choices=("adam",))
+    lr: float = flag(None, "required unless --skip-train")
+    min_lr: float = flag(0.0)
+    # the LR schedule: decay style, warmup and decay in iterations or samples, WSD, decoupled LR
+    lr_decay_style: str = flag("linear", choices=("constant", "linear", "cosine",
+                                                  "inverse-square-root", "WSD"))
+    lr_wsd_decay_style: str = flag(
+        "exponential", "--lr-decay-style WSD: the shape of the final anneal",
+        choices=("exponential", "linear", "cosine", "minus_sqrt"))
+    lr_wsd_decay_iters: ClassVar[Optional[int]] = flag(
+        None, "--lr-decay-style WSD with --train-iters: anneal iterations", kept=False)
+    lr_wsd_decay_samples: ClassVar[Optional[int]] = flag(
+        None, "--lr-decay-style WSD with --train-samples: anneal samples", kept=False)
+    lr_warmup_iters: int = flag(0)
+    lr_warmup_samples: ClassVar[int] = flag(0, "warmup in samples (with --train-samples)",
+                                            kept=False)
+    lr_warmup_fraction: ClassVar[Optional[float]] = flag(
+        None, "warmup as a fraction of the decay length (instead of --lr-warmup-iters / "
+        "--lr-warmup-samples)", kept=False)
+    lr_warmup_init: float = flag(0.0, "the LR warmup starts from")
+    lr_decay_iters: int = flag(None, "default --train-iters")
+    lr_decay_samples: ClassVar[Optional[int]] = flag(
+        None, "with --train-samples; default --train-samples", kept=False)
+    decoupled_lr: Optional[float] = flag(
+        None, "max LR of the input embedding and output layer (megatron-core's param groups); "
+        "the others keep --lr")
+    decoupled_min_lr: Optional[float] = flag(
+        None, "min LR of the --decoupled-lr group; default --min-lr")
+    weight_decay: float = flag(0.01)
+    start_weight_decay: float = flag(None, "with --weight-decay-incr-style linear/cosine")
+    end_weight_decay: float = flag(None, "with --weight-decay-incr-style linear/cosine")
+    weight_decay_incr_style: str = flag(
+        "constant", "weight decay from --start-weight-decay to --end-weight-decay over the run; "
+        "constant: --weight-decay", choices=("constant", "linear", "cosine"))
+    apply_wd_to_qk_layernorm: bool = flag(
+        False, "weight decay on the q/k layernorm weights too (other 1-D params and biases "
+        "stay without)")
+    no_weight_decay_cond_type: ClassVar[Optional[str]] = flag(
+        None, "Megatron-LM's deprecated spelling of --apply-wd-to-qk-layernorm",
+        choices=("apply_wd_to_qk_layernorm",), kept=False)
+    calculate_per_token_loss: bool = flag(
+        False, "accepted: describes what we always do (the loss and its gradients are "
+        "normalized by the unmasked tokens of the whole global batch). Without it Megatron-LM "
+        "divides each micro batch by its own token count instead; we do not, so gradients "
+        "differ from Megatron-LM's default when micro batches hold different token counts "
+        "(--eod-mask-loss)")
+    adam_beta1: float = flag(0.9)
+    adam_beta2: float = flag(0.999)
+    adam_eps: float = flag(1e-8)
+    clip_grad: float = flag(1.0, "0 disables clipping")
+    override_opt_param_scheduler: bool = flag(
+        False, _SCHEDULER + "these flags, not from the checkpoint",
+        names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
+    use_checkpoint_opt_param_scheduler: bool = flag(
+        False, _SCHEDULER + "the checkpoint (without either flag a schedule that differs from "
+        "the flags is an error)",
+        names=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"))
+    loss_scale: Optional[float] = flag(None, "static fp16 loss scale; default dynamic")
+    initial_loss_scale: Optional[float] = flag(
+        None, "dynamic fp16 loss scale to start from; default 2^20 / the tokens of one micro "
+        "batch on one rank (rounded up to a power of 2), since each rank backpropagates the "
+        "SUM of its per-token losses (Megatron-LM's 2^32 skipped every step of a short run "
+        "while it halved)")
+    min_loss_scale: float = flag(1.0)
+    loss_scale_window: float = flag(1000)
+    hysteresis: int = flag(2)
+    use_distributed_optimizer: bool = flag(False)
+    overlap_grad_reduce: bool = flag(
+        False, "each bucket's gradient reduction over DP x SP starts during the backward of "
+        "the step's last micro batch")
+    # with overlap_grad_reduce: the schedule launches each reduction (Megatron-LM's
+    # DistributedInitConfig field: both spellings its argument factory makes)
+    align_grad_reduce: bool = flag(
+        True, "with --overlap-grad-reduce and PP > 1: each pipeline stage starts its "
+        "reductions as its gradients are ready, instead of the pipeline schedule starting "
+        "every stage's at the same point of the schedule (the default)",
+        names=("--no-align-grad-reduce", "--disable-align-grad-reduce"))
     # The scheduler's lengths in samples (Megatron-LM's get_optimizer_param_scheduler).
     lr_warmup_steps: float  # a fraction of the decay need not be whole (Megatron-LM's)
     lr_decay_steps: int
@@ -50,93 +101,7 @@ class OptimizerConfig:
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("optimizer and schedule")
-    g.add_argument("--optimizer", choices=("adam",), default="adam")
-    g.add_argument("--lr", type=float, default=None, help="required unless --skip-train")
-    g.add_argument("--min-lr", type=float, default=0.0)
-    _add_schedule_arguments(g)
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--start-weight-decay", type=float, default=None,
-                   help="with --weight-decay-incr-style linear/cosine")
-    g.add_argument("--end-weight-decay", type=float, default=None,
-                   help="with --weight-decay-incr-style linear/cosine")
-    g.add_argument("--weight-decay-incr-style", choices=("constant", "linear", "cosine"),
-                   default="constant", help="weight decay from --start-weight-decay to "
-                   "--end-weight-decay over the run; constant: --weight-decay")
-    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true",
-                   help="weight decay on the q/k layernorm weights too (other 1-D params and "
-                   "biases stay without)")
-    g.add_argument("--no-weight-decay-cond-type", choices=("apply_wd_to_qk_layernorm",),
-                   default=None, help="Megatron-LM's deprecated spelling of "
-                   "--apply-wd-to-qk-layernorm")
-    g.add_argument("--calculate-per-token-loss", action="store_true",
-                   help="accepted: describes what we always do (the loss and its gradients are "
-                   "normalized by the unmasked tokens of the whole global batch). Without it "
-                   "Megatron-LM divides each micro batch by its own token count instead; we do "
-                   "not, so gradients differ from Megatron-LM's default when micro batches hold "
-                   "different token counts (--eod-mask-loss)")
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.999)
-    g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--clip-grad", type=float, default=1.0, help="0 disables clipping")
-    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler",
-                   action="store_true",
-                   help="on --load, take the LR / weight-decay schedule from these flags, not "
-                   "from the checkpoint")
-    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
-                   action="store_true",
-                   help="on --load, take the LR / weight-decay schedule from the checkpoint "
-                   "(without either flag a schedule that differs from the flags is an error)")
-    g.add_argument("--loss-scale", type=float, default=None,
-                   help="static fp16 loss scale; default dynamic")
-    g.add_argument("--initial-loss-scale", type=float, default=None,
-                   help="dynamic fp16 loss scale to start from; default 2^20 / the tokens of "
-                   "one micro batch on one rank (rounded up to a power of 2), since each rank "
-                   "backpropagates the SUM of its per-token losses (Megatron-LM's 2^32 skipped "
-                   "every step of a short run while it halved)")
-    g.add_argument("--min-loss-scale", type=float, default=1.0)
-    g.add_argument("--loss-scale-window", type=float, default=1000)
-    g.add_argument("--hysteresis", type=int, default=2)
-    g.add_argument("--use-distributed-optimizer", action="store_true")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="each bucket's gradient reduction over DP x SP starts during the "
-                   "backward of the step's last micro batch")
-    # Megatron-LM's DistributedInitConfig field: both spellings its argument factory makes
-    g.add_argument("--no-align-grad-reduce", "--disable-align-grad-reduce",
-                   dest="align_grad_reduce", action="store_false",
-                   help="with --overlap-grad-reduce and PP > 1: each pipeline stage starts its "
-                   "reductions as its gradients are ready, instead of the pipeline schedule "
-                   "starting every stage's at the same point of the schedule (the default)")
-
-
-def _add_schedule_arguments(g) -> None:
-    """The LR schedule: decay style, warmup and decay in iterations or samples, WSD,
-    decoupled LR."""
-    g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine",
-                                                "inverse-square-root", "WSD"), default="linear")
-    g.add_argument("--lr-wsd-decay-style", default="exponential",
-                   choices=("exponential", "linear", "cosine", "minus_sqrt"),
-                   help="--lr-decay-style WSD: the shape of the final anneal")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None,
-                   help="--lr-decay-style WSD with --train-iters: anneal iterations")
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
-                   help="--lr-decay-style WSD with --train-samples: anneal samples")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
-    g.add_argument("--lr-warmup-samples", type=int, default=0,
-                   help="warmup in samples (with --train-samples)")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warmup as a fraction of the decay length (instead of "
-                   "--lr-warmup-iters / --lr-warmup-samples)")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="the LR warmup starts from")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default --train-iters")
-    g.add_argument("--lr-decay-samples", type=int, default=None,
-                   help="with --train-samples; default --train-samples")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="max LR of the input embedding and output layer (megatron-core's "
-                   "param groups); the others keep --lr")
-    g.add_argument("--decoupled-min-lr", type=float, default=None,
-                   help="min LR of the --decoupled-lr group; default --min-lr")
+    add_flags(parser, OptimizerConfig, "optimizer and schedule")
 
 
 def check_values(args) -> None:

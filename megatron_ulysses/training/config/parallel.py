@@ -6,11 +6,12 @@ here. The flags that tune one parallelism's work live with what they tune: --seq
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional, Tuple
 
 from ...errors import ConfigError, flag_name
 from ...sp.parallel_state import TP_PP_DP_ORDER, ParallelDims
 from .checks import Context, check_range, ignore_without, require
+from .fields import add_flags, flag, off_without
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 # Pipeline (PP > 1) flags whose values megatron-core's TransformerConfig and schedules take.
@@ -19,68 +20,59 @@ _PIPELINE_ONLY = ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_nu
                   "num_layers_per_virtual_pipeline_stage",
                   "num_virtual_stages_per_pipeline_rank",
                   "overlap_p2p_communication_warmup_flush")
+_VIRTUAL = ("a virtual pipeline, --num-layers-per-virtual-pipeline-stage or "
+            "--num-virtual-stages-per-pipeline-rank")
 
 
 @dataclass(frozen=True)
 class PipelineFields:
-    """`ModelConfig`'s pipeline layout (megatron-core's TransformerConfig fields; PP > 1)."""
+    """`ModelConfig`'s pipeline layout (megatron-core's TransformerConfig fields; PP > 1), after
+    the parallel sizes' flags (`ClassVar`s: `parallel_dims` reads them)."""
 
-    decoder_first_pipeline_num_layers: Optional[int]
-    decoder_last_pipeline_num_layers: Optional[int]
-    account_for_embedding_in_pipeline_split: bool
-    account_for_loss_in_pipeline_split: bool
-    use_gloo_process_groups: bool
-    use_tp_pp_dp_mapping: bool
+    ulysses_sp_size: ClassVar[int] = flag(
+        1, "Ulysses SP size P: one sequence is split over P ranks (taken out of data "
+        "parallelism); SP rank r gets ceil or floor of (heads / TP) / P heads, so P may be up "
+        "to --num-attention-heads / TP.", kept=False)
+    tensor_model_parallel_size: ClassVar[int] = flag(1, kept=False)
+    pipeline_model_parallel_size: ClassVar[int] = flag(1, kept=False)
+    context_parallel_size: ClassVar[int] = flag(
+        1, "Megatron-LM's context parallelism: only 1 here; Ulysses SP (--ulysses-sp-size) "
+        "splits the sequence instead", kept=False)
+    cp_comm_type: ClassVar[Tuple[str, ...]] = flag(
+        ["p2p"], "context parallelism's exchange; no effect at --context-parallel-size 1",
+        nargs="+", choices=CP_COMM_TYPES, kept=False)
+    hierarchical_context_parallel_sizes: ClassVar[Optional[Tuple[int, ...]]] = flag(
+        None, "their product must be --context-parallel-size (1 here)", nargs="+", type=int,
+        kept=False)
+    expert_model_parallel_size: ClassVar[int] = flag(
+        1, "MoE's expert parallelism: only 1 here (no experts)", kept=False)
+    expert_tensor_parallel_size: ClassVar[Optional[int]] = flag(
+        None, "MoE's expert TP: ignored without experts, as in Megatron-LM", kept=False)
+    use_gloo_process_groups: bool = flag(
+        True, "create no extra gloo groups in megatron-core's parallel state",
+        names=("--disable-gloo-process-groups",))
+    use_tp_pp_dp_mapping: bool = flag(
+        False, "rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp; Ulysses SP groups "
+        "stay blocks of consecutive data-parallel ranks")
+    # Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1
+    decoder_first_pipeline_num_layers: Optional[int] = flag(None)
+    decoder_last_pipeline_num_layers: Optional[int] = flag(None)
+    num_layers_per_virtual_pipeline_stage: ClassVar[Optional[int]] = flag(None, kept=False)
+    num_virtual_stages_per_pipeline_rank: ClassVar[Optional[int]] = flag(None, kept=False)
+    microbatch_group_size_per_virtual_pipeline_stage: Optional[int] = flag(None, needs=_VIRTUAL)
+    account_for_embedding_in_pipeline_split: bool = flag(False)
+    account_for_loss_in_pipeline_split: bool = flag(False)
+    overlap_p2p_communication_warmup_flush: bool = flag(False)
+    overlap_p2p_comm: bool = flag(  # only the interleaved schedule overlaps, as in Megatron-LM
+        True, "the interleaved schedule's sends and receives are batched instead of overlapped "
+        "with compute (needs PP > 2)", names=("--no-overlap-p2p-communication",))
     # the virtual pipeline: model chunks per rank (None: one), derived from either flag
     virtual_pipeline_model_parallel_size: Optional[int]
-    microbatch_group_size_per_virtual_pipeline_stage: Optional[int]
-    overlap_p2p_communication_warmup_flush: bool
-    overlap_p2p_comm: bool  # only the interleaved schedule overlaps, as in Megatron-LM
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("parallelism")
-    g.add_argument("--ulysses-sp-size", type=int, default=1,
-                   help="Ulysses SP size P: one sequence is split over P ranks (taken out of "
-                   "data parallelism); SP rank r gets ceil or floor of (heads / TP) / P "
-                   "heads, so P may be up to --num-attention-heads / TP.")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1,
-                   help="Megatron-LM's context parallelism: only 1 here; Ulysses SP "
-                   "(--ulysses-sp-size) splits the sequence instead")
-    g.add_argument("--cp-comm-type", nargs="+", choices=CP_COMM_TYPES, default=["p2p"],
-                   help="context parallelism's exchange; no effect at --context-parallel-size 1")
-    g.add_argument("--hierarchical-context-parallel-sizes", nargs="+", type=int, default=None,
-                   help="their product must be --context-parallel-size (1 here)")
-    g.add_argument("--expert-model-parallel-size", type=int, default=1,
-                   help="MoE's expert parallelism: only 1 here (no experts)")
-    g.add_argument("--expert-tensor-parallel-size", type=int, default=None,
-                   help="MoE's expert TP: ignored without experts, as in Megatron-LM")
-    g.add_argument("--disable-gloo-process-groups", action="store_false",
-                   dest="use_gloo_process_groups",
-                   help="create no extra gloo groups in megatron-core's parallel state")
-    g.add_argument("--use-tp-pp-dp-mapping", action="store_true",
-                   help="rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp; Ulysses SP "
-                   "groups stay blocks of consecutive data-parallel ranks")
-    _add_pipeline_arguments(g)
+    add_flags(parser, PipelineFields, "parallelism")
     parser.set_defaults(virtual_pipeline_model_parallel_size=None)  # `validate` derives it
-
-
-def _add_pipeline_arguments(g) -> None:
-    """Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1."""
-    for flag in ("--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers",
-                 "--num-layers-per-virtual-pipeline-stage",
-                 "--num-virtual-stages-per-pipeline-rank"):
-        g.add_argument(flag, type=int, default=None)
-    g.add_argument("--microbatch-group-size-per-virtual-pipeline-stage", type=int, default=None)
-    for flag in ("--account-for-embedding-in-pipeline-split",
-                 "--account-for-loss-in-pipeline-split"):
-        g.add_argument(flag, action="store_true")
-    g.add_argument("--overlap-p2p-communication-warmup-flush", action="store_true")
-    g.add_argument("--no-overlap-p2p-communication", action="store_false",
-                   dest="overlap_p2p_comm", help="the interleaved schedule's sends and receives "
-                   "are batched instead of overlapped with compute (needs PP > 2)")
 
 
 def parallel_dims(args, world_size: int) -> ParallelDims:
@@ -147,10 +139,7 @@ def validate(args, ctx: Context) -> None:
     else:
         _check_pipeline_layout(args, ctx.dims.pp)
     if args.virtual_pipeline_model_parallel_size is None:  # read by the interleaved schedule
-        ignore_without(args, ctx, "a virtual pipeline, --num-layers-per-virtual-pipeline-stage "
-                       "or --num-virtual-stages-per-pipeline-rank", ((
-                           "--microbatch-group-size-per-virtual-pipeline-stage",
-                           "microbatch_group_size_per_virtual_pipeline_stage", None),))
+        ignore_without(args, ctx, _VIRTUAL, off_without(PipelineFields, _VIRTUAL))
 
 
 def _check_pipeline_layout(args, pp: int) -> None:

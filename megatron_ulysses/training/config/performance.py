@@ -20,133 +20,167 @@ ignored with one warning, as Megatron-LM ignores them. Every other flag here but
 --use-torch-fsdp2 needs CUDA: on CPU one message names those given.
 """
 
+import dataclasses
+import functools
 import importlib.util
 import os
-from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
 from ...sp.backends import te_available
 from ...errors import ConfigError
 from .checks import Context, check_range, ignore_without, require
+from . import fields
+from .fields import add_flags, flag
 from .grad_buckets import GradBucketFields
+from .megatron_lm.refused import not_wired, refuse_values
 
 _SHARDING = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 _FSDP_DTYPES = ("fp32", "bf16", "fp16", "auto")
-
-# (flag, dest, its value when not given): the GPU-only flags (all but --ddp-average-in-collective).
-_FP8_FLAGS = (
-    ("--fp8-format", "fp8", None), ("--fp8-recipe", "fp8_recipe", "delayed"),
-    ("--fp8-margin", "fp8_margin", 0), ("--fp8-amax-history-len", "fp8_amax_history_len", 1),
-    ("--fp8-amax-compute-algo", "fp8_amax_compute_algo", "most_recent"),
-    ("--fp8-param-gather", "fp8_param_gather", False),
-    ("--fp8-dot-product-attention", "fp8_dot_product_attention", False),
-    ("--no-fp8-wgrad", "fp8_wgrad", True),
-    ("--first-last-layers-bf16", "first_last_layers_bf16", False),
-    ("--num-layers-at-start-in-bf16", "num_layers_at_start_in_bf16", 1),
-    ("--num-layers-at-end-in-bf16", "num_layers_at_end_in_bf16", 1),
-)
-_FSDP_FLAGS = (
-    ("--use-megatron-fsdp", "use_megatron_fsdp", False),
-    ("--data-parallel-sharding-strategy", "data_parallel_sharding_strategy",
-     "optim_grads_params"),
-)
-# Megatron-FSDP's own buffer, dtype and HSDP options: ignored without it, refused with it.
-_FSDP_BUFFER_OPTIONS = (
-    ("--fsdp-double-buffer", "fsdp_double_buffer", False),
-    ("--megatron-fsdp-main-params-dtype", "megatron_fsdp_main_params_dtype", "fp32"),
-    ("--megatron-fsdp-main-grads-dtype", "megatron_fsdp_main_grads_dtype", "auto"),
-    ("--megatron-fsdp-grad-comm-dtype", "megatron_fsdp_grad_comm_dtype", "auto"),
-    ("--outer-dp-sharding-strategy", "outer_dp_sharding_strategy", "no_shard"),
-)
-# Megatron-FSDP's options as a whole: validated, then refused (not wired into the model build);
-# meta-device initialization and NCCL user buffers are features of their own in Megatron-LM.
-_FSDP_OPTIONS = (
-    ("--init-model-with-meta-device", "init_model_with_meta_device", False),
-    ("--use-nccl-ub", "nccl_ub", False),
-    ("--fsdp-manual-registration", "fsdp_manual_registration", False),
-    *_FSDP_BUFFER_OPTIONS,
-)
 # The precision-aware optimizer's dtypes (TE's FusedAdam): other than fp32 only with it.
 # Megatron-LM's map of their names (fp8 states are stored as uint8).
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
            "fp8": torch.uint8}
-_OPTIMIZER_DTYPES = (
-    ("--main-grads-dtype", "main_grads_dtype", "fp32"),
-    ("--main-params-dtype", "main_params_dtype", "fp32"),
-    ("--exp-avg-dtype", "exp_avg_dtype", "fp32"),
-    ("--exp-avg-sq-dtype", "exp_avg_sq_dtype", "fp32"),
-)
-# megatron-core's HybridDeviceOptimizer options: meaningful with --optimizer-cpu-offload only
-_OFFLOAD_OPTIONS = (
-    ("--optimizer-offload-fraction", "optimizer_offload_fraction", 1.0),
-    ("--overlap-cpu-optimizer-d2h-h2d", "overlap_cpu_optimizer_d2h_h2d", False),
-    ("--use-torch-optimizer-for-cpu-offload", "use_torch_optimizer_for_cpu_offload", False),
-    ("--no-pin-cpu-grads", "pin_cpu_grads", True),
-    ("--no-pin-cpu-params", "pin_cpu_params", True),
-)
-_TP_COMM_OVERLAP = (("--tp-comm-overlap", "tp_comm_overlap", False),
-                    ("--tp-comm-overlap-cfg", "tp_comm_overlap_cfg", None))
-_DEFER_WGRAD = (
-    ("--defer-embedding-wgrad-compute", "defer_embedding_wgrad_compute", False),
-    ("--wgrad-deferral-limit", "wgrad_deferral_limit", 0),
-)
-_GRAD_REDUCE_IN_BF16 = ("--grad-reduce-in-bf16", "grad_reduce_in_bf16", False)
-_OTHER_FLAGS = (
-    ("--overlap-param-gather", "overlap_param_gather", False),
-    ("--overlap-param-gather-with-optimizer-step", "overlap_param_gather_with_optimizer_step",
-     False),
-    _GRAD_REDUCE_IN_BF16,
-    ("--num-distributed-optimizer-instances", "num_distributed_optimizer_instances", 1),
-    ("--use-precision-aware-optimizer", "use_precision_aware_optimizer", False),
-    ("--optimizer-cpu-offload", "optimizer_cpu_offload", False),
-    *_OFFLOAD_OPTIONS, *_OPTIMIZER_DTYPES,
-    ("--disable-bf16-reduced-precision-matmul", "disable_bf16_reduced_precision_matmul", False),
-    *_TP_COMM_OVERLAP,
-    ("--cuda-graph-impl", "cuda_graph_impl", "none"),
-    *_DEFER_WGRAD,
-)
+_OPTIMIZER_DTYPES = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype",
+                     "exp_avg_sq_dtype")
+# Megatron-FSDP's options as a whole: validated, then refused (not wired into the model build);
+# meta-device initialization and NCCL user buffers are features of their own in Megatron-LM.
+_FSDP_OPTIONS = ("init_model_with_meta_device", "nccl_ub", "fsdp_manual_registration",
+                 "fsdp_double_buffer", "megatron_fsdp_main_params_dtype",
+                 "megatron_fsdp_main_grads_dtype", "megatron_fsdp_grad_comm_dtype",
+                 "outer_dp_sharding_strategy")
+_flag = functools.partial(flag, field_default=True)
+_fp8 = functools.partial(_flag, needs="--fp8-format")
+_offload = functools.partial(_flag, needs="--optimizer-cpu-offload")
+_fsdp = functools.partial(_flag, needs="--use-megatron-fsdp")
+_dtype = functools.partial(_flag, "fp32", "with --use-precision-aware-optimizer: this state's "
+                           "dtype")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class PerformanceConfig(GradBucketFields):
-    """What megatron-core's configs receive from this section (defaults: none of it)."""
+    """What megatron-core's configs receive from this section (defaults: none of it); the
+    `ClassVar` flags are Megatron-LM's, validated here, then refused."""
 
-    fp8: Optional[str] = None  # --fp8-format
-    fp8_recipe: str = "delayed"
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
-    fp8_param_gather: bool = False
-    fp8_dot_product_attention: bool = False
-    overlap_param_gather: bool = False
-    # the interleaved schedule launches each chunk's all-gather (Megatron-LM's rule: only there)
-    align_param_gather: bool = False
-    grad_reduce_in_bf16: bool = False
-    num_distributed_optimizer_instances: int = 1
-    use_precision_aware_optimizer: bool = False
-    optimizer_cpu_offload: bool = False
-    optimizer_offload_fraction: float = 1.0
-    overlap_cpu_optimizer_d2h_h2d: bool = False
-    use_torch_optimizer_for_cpu_offload: bool = False
-    pin_cpu_grads: bool = True
-    pin_cpu_params: bool = True
-    defer_embedding_wgrad_compute: bool = False
-    wgrad_deferral_limit: int = 0
-    use_torch_fsdp2: bool = False
-    use_megatron_fsdp: bool = False
-    data_parallel_sharding_strategy: str = "optim_grads_params"  # with --use-megatron-fsdp
-    torch_fsdp2_reshard_after_forward: bool = True  # with --use-torch-fsdp2
-    fp8_wgrad: bool = True
-    first_last_layers_bf16: bool = False
-    num_layers_at_start_in_bf16: int = 1
-    num_layers_at_end_in_bf16: int = 1
-    main_grads_dtype: str = "fp32"  # the precision-aware optimizer's
-    main_params_dtype: str = "fp32"
-    exp_avg_dtype: str = "fp32"
-    exp_avg_sq_dtype: str = "fp32"
-    disable_bf16_reduced_precision_matmul: bool = False
+    fp8: Optional[str] = _flag(  # Transformer Engine's FP8 GEMMs and attention
+        None, "FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
+        "transformer_engine and --bf16/--fp16); hybrid: e4m3 forward, e5m2 backward",
+        names=("--fp8-format",), choices=("e4m3", "hybrid"))
+    fp8_recipe: str = _fp8(
+        "delayed", "FP8 scaling: delayed (amax history), tensorwise (current scaling), "
+        "blockwise (Hopper+); mxfp8 needs Blackwell",
+        choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"))
+    fp8_margin: int = _fp8(0, "FP8 scaling-factor margin")
+    fp8_amax_history_len: int = _fp8(1, "delayed scaling: the amax history length")
+    fp8_amax_compute_algo: str = _fp8("most_recent", "delayed scaling: amax from the history",
+                                      choices=("most_recent", "max"))
+    fp8_param_gather: bool = _fp8(False, "keep the compute weights in FP8 and all-gather them "
+                                  "in FP8 (with --use-distributed-optimizer)")
+    fp8_dot_product_attention: bool = _fp8(
+        False, "FP8 core attention between the two all-to-alls (TE's kernel: "
+        "--ulysses-attention-backend te only)")
+    fp8_wgrad: bool = _fp8(True, "weight gradients in bf16 / fp16, not FP8",
+                           names=("--no-fp8-wgrad", "--disable-fp8-wgrad"))
+    first_last_layers_bf16: bool = _fp8(
+        False, "keep the first and last layers out of FP8 (not with --fp8-recipe delayed)")
+    num_layers_at_start_in_bf16: int = _fp8(
+        1, "with --first-last-layers-bf16: the first layers kept in bf16")
+    num_layers_at_end_in_bf16: int = _fp8(
+        1, "with --first-last-layers-bf16: the last layers kept in bf16")
+    overlap_param_gather: bool = _flag(
+        False, "the distributed optimizer's param all-gather overlaps the next forward (needs "
+        "--use-distributed-optimizer and --overlap-grad-reduce)")
+    # the interleaved schedule launches each chunk's all-gather (Megatron-LM's rule: only
+    # there, so the config's default is off)
+    align_param_gather: bool = dataclasses.field(default=False, metadata=flag(
+        True, "with --overlap-param-gather and a virtual pipeline: each pipeline stage starts "
+        "its all-gathers as its forward needs them, instead of the interleaved schedule "
+        "starting every stage's at the same point (the default)",
+        names=("--no-align-param-gather",), cpu=True).metadata)
+    overlap_param_gather_with_optimizer_step: ClassVar[bool] = _flag(
+        False, "refused, as Megatron-LM refuses it with torch_dist checkpoints (this package's "
+        "only format)", kept=False)
+    grad_reduce_in_bf16: bool = _flag(
+        False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32)",
+        needs="--bf16")
+    ddp_average_in_collective: ClassVar[bool] = _flag(
+        False, "accepted: the gradient is always summed over DP x SP and divided by the global "
+        "batch's token count (per-token loss), so where the division happens does not change "
+        "it", kept=False, cpu=True)
+    # the distributed optimizer's instances, the precision-aware optimizer, megatron-core's
+    # CPU offload (HybridDeviceOptimizer)
+    num_distributed_optimizer_instances: int = _flag(
+        1, "shard the distributed optimizer over DP x SP / N ranks, N replicas")
+    use_precision_aware_optimizer: bool = _flag(
+        False, "TE's FusedAdam with low-precision states (distributed optimizer)")
+    optimizer_cpu_offload: bool = _flag(
+        False, "optimizer states and step on the CPU (megatron-core's HybridDeviceOptimizer; "
+        "needs --use-precision-aware-optimizer)")
+    optimizer_offload_fraction: float = _offload(
+        1.0, "with --optimizer-cpu-offload: the fraction of states on the CPU")
+    overlap_cpu_optimizer_d2h_h2d: bool = _offload(
+        False, "with --optimizer-cpu-offload: overlap the CPU optimizer step with the "
+        "gradients' device-to-host and the parameters' host-to-device copies")
+    use_torch_optimizer_for_cpu_offload: bool = _offload(
+        False, "with --optimizer-cpu-offload: torch's AdamW on the GPU share too")
+    pin_cpu_grads: bool = _offload(
+        True, "with --optimizer-cpu-offload: pageable host gradient copies",
+        names=("--no-pin-cpu-grads",))
+    pin_cpu_params: bool = _offload(
+        True, "with --optimizer-cpu-offload: pageable host parameter copies",
+        names=("--no-pin-cpu-params",))
+    main_grads_dtype: str = _dtype(choices=("fp32", "bf16"))  # Megatron-LM's choices
+    main_params_dtype: str = _dtype(choices=("fp32", "fp16"))
+    exp_avg_dtype: str = _dtype(choices=tuple(_DTYPES))
+    exp_avg_sq_dtype: str = _dtype(choices=tuple(_DTYPES))
+    disable_bf16_reduced_precision_matmul: bool = _flag(
+        False, "with --bf16: cuBLAS accumulates bf16 GEMMs in full precision (torch's "
+        "allow_bf16_reduced_precision_reduction off)")
+    tp_comm_overlap: ClassVar[bool] = _flag(
+        False, "TE userbuffers TP overlap: validated, not wired yet (refused)", kept=False)
+    tp_comm_overlap_cfg: ClassVar[Optional[str]] = _flag(
+        None, "with --tp-comm-overlap: the userbuffers YAML", needs="--tp-comm-overlap",
+        kept=False)
+    cuda_graph_impl: ClassVar[str] = _flag(
+        "none", "CUDA graphs: only none (the others are not wired)", kept=False,
+        choices=("none", "local", "transformer_engine", "full_iteration"))
+    defer_embedding_wgrad_compute: bool = _flag(
+        False, "PP > 1: the output layer's weight-gradient GEMMs run in the pipeline flush "
+        "(needs gradient-accumulation fusion)")
+    wgrad_deferral_limit: int = _flag(
+        0, "micro batches whose output-layer wgrad is deferred (0: all)",
+        needs="--defer-embedding-wgrad-compute")
+    # Megatron FSDP and torch FSDP2; Megatron-FSDP's other options validated, then refused
+    use_megatron_fsdp: bool = _flag(
+        False, "megatron-core's Megatron-FSDP over DP x SP, with its distributed optimizer "
+        "(GPU; no checkpoints: its fsdp_dtensor format is not written here)")
+    use_torch_fsdp2: bool = _flag(
+        False, "megatron-core's torch FSDP2 wrapper over DP x SP: parameters, gradients and "
+        "Adam moments sharded (CPU and GPU; torch_dist checkpoints)", cpu=True)
+    torch_fsdp2_reshard_after_forward: bool = _flag(
+        True, "with --use-torch-fsdp2: keep the gathered parameters from the forward to the "
+        "backward (ZeRO-2)", names=("--torch-fsdp2-no-reshard-after-forward",),
+        needs="--use-torch-fsdp2", cpu=True)
+    data_parallel_sharding_strategy: str = _fsdp(
+        "optim_grads_params", "with --use-megatron-fsdp: what is sharded over DP x SP: "
+        "no_shard (nothing), optim (optimizer state), optim_grads (+ gradients), "
+        "optim_grads_params (+ parameters)", choices=_SHARDING)
+    init_model_with_meta_device: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp",
+                                                        kept=False)
+    nccl_ub: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp", names=("--use-nccl-ub",),
+                                    kept=False)
+    fsdp_double_buffer: ClassVar[bool] = _fsdp(False, "with --use-megatron-fsdp", kept=False)
+    fsdp_manual_registration: ClassVar[bool] = _flag(
+        False, "with --use-megatron-fsdp and --use-nccl-ub", kept=False)
+    megatron_fsdp_main_params_dtype: ClassVar[str] = _fsdp("fp32", choices=_FSDP_DTYPES,
+                                                           kept=False)
+    megatron_fsdp_main_grads_dtype: ClassVar[str] = _fsdp("auto", choices=_FSDP_DTYPES,
+                                                          kept=False)
+    megatron_fsdp_grad_comm_dtype: ClassVar[str] = _fsdp("auto", choices=_FSDP_DTYPES,
+                                                         kept=False)
+    outer_dp_sharding_strategy: ClassVar[str] = _fsdp(
+        "no_shard", "with --use-megatron-fsdp", choices=("no_shard", "optim"), kept=False)
 
 
 def transformer_kwargs(perf: PerformanceConfig) -> dict:
@@ -191,137 +225,12 @@ def optimizer_kwargs(perf: PerformanceConfig) -> dict:
                 use_torch_optimizer_for_cpu_offload=perf.use_torch_optimizer_for_cpu_offload,
                 pin_cpu_grads=perf.pin_cpu_grads, pin_cpu_params=perf.pin_cpu_params,
                 fp8_recipe=perf.fp8_recipe if perf.fp8 else None,
-                **{name: _DTYPES[getattr(perf, name)] for _, name, _ in _OPTIMIZER_DTYPES})
+                **{name: _DTYPES[getattr(perf, name)] for name in _OPTIMIZER_DTYPES})
 
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("performance (GPU; Megatron-LM's flags and meanings)")
-    _add_fp8_arguments(g)
-    g.add_argument("--overlap-param-gather", action="store_true",
-                   help="the distributed optimizer's param all-gather overlaps the next "
-                   "forward (needs --use-distributed-optimizer and --overlap-grad-reduce)")
-    g.add_argument("--no-align-param-gather", dest="align_param_gather",
-                   action="store_false",
-                   help="with --overlap-param-gather and a virtual pipeline: each pipeline "
-                   "stage starts its all-gathers as its forward needs them, instead of the "
-                   "interleaved schedule starting every stage's at the same point (the default)")
-    g.add_argument("--overlap-param-gather-with-optimizer-step", action="store_true",
-                   help="refused, as Megatron-LM refuses it with torch_dist checkpoints (this "
-                   "package's only format)")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="with --bf16: accumulate and reduce gradients in bf16 (default fp32)")
-    g.add_argument("--ddp-average-in-collective", action="store_true",
-                   help="accepted: the gradient is always summed over DP x SP and divided by "
-                   "the global batch's token count (per-token loss), so where the division "
-                   "happens does not change it")
-    _add_optimizer_arguments(g)
-    g.add_argument("--tp-comm-overlap", action="store_true",
-                   help="TE userbuffers TP overlap: validated, not wired yet (refused)")
-    g.add_argument("--tp-comm-overlap-cfg", default=None,
-                   help="with --tp-comm-overlap: the userbuffers YAML")
-    g.add_argument("--cuda-graph-impl", choices=("none", "local", "transformer_engine",
-                                                 "full_iteration"), default="none",
-                   help="CUDA graphs: only none (the others are not wired)")
-    g.add_argument("--defer-embedding-wgrad-compute", action="store_true",
-                   help="PP > 1: the output layer's weight-gradient GEMMs run in the pipeline "
-                   "flush (needs gradient-accumulation fusion)")
-    g.add_argument("--wgrad-deferral-limit", type=int, default=0,
-                   help="micro batches whose output-layer wgrad is deferred (0: all)")
-    _add_fsdp_arguments(g)
-
-
-def _add_fp8_arguments(g) -> None:
-    """Transformer Engine's FP8 GEMMs and attention."""
-    g.add_argument("--fp8-format", dest="fp8", choices=("e4m3", "hybrid"), default=None,
-                   help="FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
-                   "transformer_engine and --bf16/--fp16); hybrid: e4m3 forward, e5m2 backward")
-    g.add_argument("--fp8-recipe", choices=("delayed", "tensorwise", "blockwise", "mxfp8",
-                                            "custom"), default="delayed",
-                   help="FP8 scaling: delayed (amax history), tensorwise (current scaling), "
-                   "blockwise (Hopper+); mxfp8 needs Blackwell")
-    g.add_argument("--fp8-margin", type=int, default=0, help="FP8 scaling-factor margin")
-    g.add_argument("--fp8-amax-history-len", type=int, default=1,
-                   help="delayed scaling: the amax history length")
-    g.add_argument("--fp8-amax-compute-algo", choices=("most_recent", "max"),
-                   default="most_recent", help="delayed scaling: amax from the history")
-    g.add_argument("--fp8-param-gather", action="store_true",
-                   help="keep the compute weights in FP8 and all-gather them in FP8 (with "
-                   "--use-distributed-optimizer)")
-    g.add_argument("--fp8-dot-product-attention", action="store_true",
-                   help="FP8 core attention between the two all-to-alls (TE's kernel: "
-                   "--ulysses-attention-backend te only)")
-    g.add_argument("--no-fp8-wgrad", "--disable-fp8-wgrad", dest="fp8_wgrad",
-                   action="store_false", help="weight gradients in bf16 / fp16, not FP8")
-    g.add_argument("--first-last-layers-bf16", action="store_true",
-                   help="keep the first and last layers out of FP8 (not with --fp8-recipe "
-                   "delayed)")
-    g.add_argument("--num-layers-at-start-in-bf16", type=int, default=1,
-                   help="with --first-last-layers-bf16: the first layers kept in bf16")
-    g.add_argument("--num-layers-at-end-in-bf16", type=int, default=1,
-                   help="with --first-last-layers-bf16: the last layers kept in bf16")
-
-
-def _add_optimizer_arguments(g) -> None:
-    """The distributed optimizer's instances, the precision-aware optimizer and megatron-core's
-    CPU offload (HybridDeviceOptimizer)."""
-    g.add_argument("--num-distributed-optimizer-instances", type=int, default=1,
-                   help="shard the distributed optimizer over DP x SP / N ranks, N replicas")
-    g.add_argument("--use-precision-aware-optimizer", action="store_true",
-                   help="TE's FusedAdam with low-precision states (distributed optimizer)")
-    g.add_argument("--optimizer-cpu-offload", action="store_true",
-                   help="optimizer states and step on the CPU (megatron-core's "
-                   "HybridDeviceOptimizer; needs --use-precision-aware-optimizer)")
-    g.add_argument("--optimizer-offload-fraction", type=float, default=1.0,
-                   help="with --optimizer-cpu-offload: the fraction of states on the CPU")
-    g.add_argument("--overlap-cpu-optimizer-d2h-h2d", action="store_true",
-                   help="with --optimizer-cpu-offload: overlap the CPU optimizer step with the "
-                   "gradients' device-to-host and the parameters' host-to-device copies")
-    g.add_argument("--use-torch-optimizer-for-cpu-offload", action="store_true",
-                   help="with --optimizer-cpu-offload: torch's AdamW on the GPU share too")
-    g.add_argument("--no-pin-cpu-grads", dest="pin_cpu_grads", action="store_false",
-                   help="with --optimizer-cpu-offload: pageable host gradient copies")
-    g.add_argument("--no-pin-cpu-params", dest="pin_cpu_params", action="store_false",
-                   help="with --optimizer-cpu-offload: pageable host parameter copies")
-    for flag, _, _ in _OPTIMIZER_DTYPES:  # Megatron-LM's choices
-        choices = {"--main-grads-dtype": ("fp32", "bf16"),
-                   "--main-params-dtype": ("fp32", "fp16")}.get(flag, tuple(_DTYPES))
-        g.add_argument(flag, choices=choices, default="fp32",
-                       help="with --use-precision-aware-optimizer: this state's dtype")
-    g.add_argument("--disable-bf16-reduced-precision-matmul", action="store_true",
-                   help="with --bf16: cuBLAS accumulates bf16 GEMMs in full precision "
-                   "(torch's allow_bf16_reduced_precision_reduction off)")
-
-
-def _add_fsdp_arguments(g) -> None:
-    """Megatron FSDP and torch FSDP2 (Megatron-LM's flags); Megatron-FSDP's buffer options are
-    validated as Megatron-LM does, then refused."""
-    g.add_argument("--use-megatron-fsdp", action="store_true",
-                   help="megatron-core's Megatron-FSDP over DP x SP, with its distributed "
-                   "optimizer (GPU; no checkpoints: its fsdp_dtensor format is not written here)")
-    g.add_argument("--use-torch-fsdp2", action="store_true",
-                   help="megatron-core's torch FSDP2 wrapper over DP x SP: parameters, gradients "
-                   "and Adam moments sharded (CPU and GPU; torch_dist checkpoints)")
-    g.add_argument("--torch-fsdp2-no-reshard-after-forward", action="store_false",
-                   dest="torch_fsdp2_reshard_after_forward", help="with --use-torch-fsdp2: keep "
-                   "the gathered parameters from the forward to the backward (ZeRO-2)")
-    g.add_argument("--data-parallel-sharding-strategy", choices=_SHARDING,
-                   default="optim_grads_params",
-                   help="with --use-megatron-fsdp: what is sharded over DP x SP: no_shard "
-                   "(nothing), optim (optimizer state), optim_grads (+ gradients), "
-                   "optim_grads_params (+ parameters)")
-    g.add_argument("--init-model-with-meta-device", action="store_true",
-                   help="with --use-megatron-fsdp")
-    g.add_argument("--use-nccl-ub", dest="nccl_ub", action="store_true",
-                   help="with --use-megatron-fsdp")
-    g.add_argument("--fsdp-double-buffer", action="store_true", help="with --use-megatron-fsdp")
-    g.add_argument("--fsdp-manual-registration", action="store_true",
-                   help="with --use-megatron-fsdp and --use-nccl-ub")
-    g.add_argument("--megatron-fsdp-main-params-dtype", choices=_FSDP_DTYPES, default="fp32")
-    g.add_argument("--megatron-fsdp-main-grads-dtype", choices=_FSDP_DTYPES, default="auto")
-    g.add_argument("--megatron-fsdp-grad-comm-dtype", choices=_FSDP_DTYPES, default="auto")
-    g.add_argument("--outer-dp-sharding-strategy", choices=("no_shard", "optim"),
-                   default="no_shard", help="with --use-megatron-fsdp")
+    add_flags(parser, PerformanceConfig, "performance (GPU; Megatron-LM's flags and meanings)")
 
 
 def check_values(args) -> None:
@@ -330,11 +239,6 @@ def check_values(args) -> None:
     check_range(args, "num_distributed_optimizer_instances", low=1)
     check_range(args, "optimizer_offload_fraction", low=0, high=1)
     check_range(args, "wgrad_deferral_limit", low=0)
-
-
-def given_flags(args, table) -> list:
-    """The flags of `table` given a value other than their default."""
-    return [flag for flag, dest, off in table if getattr(args, dest) != off]
 
 
 def validate(args, ctx: Context) -> None:
@@ -346,7 +250,7 @@ def validate(args, ctx: Context) -> None:
         args.virtual_pipeline_model_parallel_size is not None
     _ignore_options_of_features_off(args, ctx)
     _check_torch_fsdp2(args, ctx)
-    given = given_flags(args, _FP8_FLAGS + _FSDP_FLAGS + _FSDP_OPTIONS + _OTHER_FLAGS)
+    given = fields.given(args, PerformanceConfig, _gpu_flags())
     if not ctx.cuda:
         require(not given, f"{', '.join(given)} {'needs' if len(given) == 1 else 'need'} "
                 "CUDA (GPU performance features of megatron-core and Transformer Engine); "
@@ -374,29 +278,29 @@ def validate(args, ctx: Context) -> None:
     _check_tp_comm_overlap(args, ctx)
     _check_megatron_fsdp(args, ctx)
     _refuse_megatron_fsdp_optim(args)
-    require(args.cuda_graph_impl == "none",
-            f"--cuda-graph-impl {args.cuda_graph_impl}: CUDA graphs are not wired into "
-            "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none")
+    refuse_values(args, ("cuda_graph_impl",))
+
+
+def _gpu_flags() -> list:
+    """The fields of the GPU-only flags, FP8's first, then Megatron-FSDP's."""
+    fp8 = ["fp8"] + [name for name, _ in fields.off_fields(PerformanceConfig, "--fp8-format")]
+    fsdp = ["use_megatron_fsdp", "data_parallel_sharding_strategy", *_FSDP_OPTIONS]
+    return fp8 + fsdp + [name for name, spec in fields.flags_of(PerformanceConfig)
+                         if not spec.cpu and name not in fp8 + fsdp]
 
 
 def _ignore_options_of_features_off(args, ctx: Context) -> None:
     """The options of a feature that is off change nothing in Megatron-LM (megatron-core reads
     them only with it): said once and back to their defaults, before the CPU check (so CPU runs
     take them too)."""
-    for feature, on, options in (
-            ("--fp8-format", args.fp8 is not None, _FP8_FLAGS[1:]),
-            ("--optimizer-cpu-offload", args.optimizer_cpu_offload, _OFFLOAD_OPTIONS),
-            ("--tp-comm-overlap", args.tp_comm_overlap, _TP_COMM_OVERLAP[1:]),
-            ("--defer-embedding-wgrad-compute", args.defer_embedding_wgrad_compute,
-             _DEFER_WGRAD[1:]),
-            ("--use-megatron-fsdp", args.use_megatron_fsdp,
-             _FSDP_FLAGS[1:] + _FSDP_BUFFER_OPTIONS),
-            ("--use-torch-fsdp2", args.use_torch_fsdp2, (
-                ("--torch-fsdp2-no-reshard-after-forward", "torch_fsdp2_reshard_after_forward",
-                 True),)),
-            ("--bf16", args.bf16, (_GRAD_REDUCE_IN_BF16,))):
+    for feature, on in (("--fp8-format", args.fp8 is not None),
+                        ("--optimizer-cpu-offload", args.optimizer_cpu_offload),
+                        ("--tp-comm-overlap", args.tp_comm_overlap),
+                        ("--defer-embedding-wgrad-compute", args.defer_embedding_wgrad_compute),
+                        ("--use-megatron-fsdp", args.use_megatron_fsdp),
+                        ("--use-torch-fsdp2", args.use_torch_fsdp2), ("--bf16", args.bf16)):
         if not on:
-            ignore_without(args, ctx, feature, options)
+            ignore_without(args, ctx, feature, fields.off_without(PerformanceConfig, feature))
 
 
 def _check_fp8(args) -> None:
@@ -417,10 +321,7 @@ def _check_fp8(args) -> None:
             "--fp8-dot-product-attention runs TE's FP8 attention kernel: it needs "
             f"--ulysses-attention-backend te, not {args.ulysses_attention_backend}")
     if args.fp8_dot_product_attention:
-        raise_not_wired("--fp8-dot-product-attention", "Transformer Engine 2.20.2 found no FP8 "
-                        "attention kernel for the head-sharded q, k, v between the all-to-alls "
-                        "(H100, head dim 64: 'No dot product attention backend is available'); "
-                        "drop it (the linear layers still run in FP8)")
+        not_wired("--fp8-dot-product-attention")
 
 
 def _check_bf16_layers(args) -> None:
@@ -430,9 +331,9 @@ def _check_bf16_layers(args) -> None:
     require(args.fp8_recipe != "delayed", "--first-last-layers-bf16 is not supported with "
             "--fp8-recipe delayed (megatron-core's rule); use tensorwise or blockwise")
     per_stage = args.num_layers // args.pipeline_model_parallel_size
-    for flag in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"):
-        count = getattr(args, flag[2:].replace("-", "_"))
-        require(0 <= count <= per_stage, f"{flag} ({count}) must be between 0 and the layers "
+    for option in ("--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16"):
+        count = getattr(args, option[2:].replace("-", "_"))
+        require(0 <= count <= per_stage, f"{option} ({count}) must be between 0 and the layers "
                 f"per pipeline stage ({per_stage})")
 
 
@@ -500,7 +401,7 @@ def _check_optimizer(args) -> None:
                 "--use-precision-aware-optimizer (the hybrid optimizer reuses its code path)")
         require(not args.fp8_param_gather or args.fp8_recipe == "delayed",
                 "--optimizer-cpu-offload with --fp8-param-gather needs --fp8-recipe delayed")
-    dtypes = given_flags(args, _OPTIMIZER_DTYPES)
+    dtypes = fields.given(args, PerformanceConfig, _OPTIMIZER_DTYPES)
     require(not dtypes or args.use_precision_aware_optimizer,
             f"{', '.join(dtypes)} other than fp32 {'needs' if len(dtypes) == 1 else 'need'} "
             "--use-precision-aware-optimizer (megatron-core's rule)")
@@ -518,8 +419,7 @@ def _check_tp_comm_overlap(args, ctx: Context) -> None:
             "it needs --tensor-model-parallel-size > 1 and --sequence-parallel")
     require(args.transformer_impl == "transformer_engine",
             "--tp-comm-overlap needs --transformer-impl transformer_engine")
-    raise_not_wired("--tp-comm-overlap", "Transformer Engine's userbuffers are not "
-                    "initialized for the Ulysses-local sequence")
+    not_wired("--tp-comm-overlap")
 
 
 def _check_torch_fsdp2(args, ctx: Context) -> None:
@@ -552,7 +452,7 @@ def _check_torch_fsdp2(args, ctx: Context) -> None:
 def _check_megatron_fsdp(args, ctx: Context) -> None:
     """Megatron-LM's rules for --use-megatron-fsdp; its options (those left: without it its
     buffer options are ignored) are refused."""
-    given = given_flags(args, _FSDP_OPTIONS)
+    given = fields.given(args, PerformanceConfig, _FSDP_OPTIONS)
     if args.use_megatron_fsdp and args.init_model_with_meta_device:
         require(args.data_parallel_sharding_strategy != "no_shard",
                 "--init-model-with-meta-device is not supported with "
@@ -560,9 +460,7 @@ def _check_megatron_fsdp(args, ctx: Context) -> None:
     require(not args.fsdp_manual_registration or (args.use_megatron_fsdp and args.nccl_ub),
             "--fsdp-manual-registration needs --use-megatron-fsdp and --use-nccl-ub")
     if given:
-        raise_not_wired(", ".join(given), "Megatron-FSDP's meta-device initialization, NCCL "
-                        "user buffers, double buffer, dtypes and outer (HSDP) sharding are not "
-                        "wired into megatron_ulysses' model build; drop them")
+        not_wired(", ".join(given), "Megatron-FSDP options")
     if not args.use_megatron_fsdp:
         return
     require(ctx.dims.pp == 1, "--use-megatron-fsdp is not wired with pipeline parallelism "
@@ -584,6 +482,3 @@ def _refuse_megatron_fsdp_optim(args) -> None:
             "SP alike, and its losses drifted up to 2% (no_shard, optim_grads and "
             "optim_grads_params matched DDP within 1e-4); use optim_grads or optim_grads_params")
 
-
-def raise_not_wired(flags: str, why: str) -> None:
-    raise ConfigError(f"{flags}: not supported yet: {why}")

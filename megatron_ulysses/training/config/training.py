@@ -2,51 +2,113 @@
 process group."""
 
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 from .. import batch_schedule
 
 from ...errors import ConfigError
 from .checks import Context, check_positive, check_range, number, require
+from .fields import add_flags, flag, flags_of
+from .megatron_lm.refused import refuse_values
+
+
+_RERUN_ENGINE = "needs megatron-core's rerun engine: refused"
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
     """The loop: batch sizes, iterations, evaluation, exits, seeds, the process group."""
 
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-    train_iters: int
-    eval_interval: int
-    eval_iters: int
-    skip_train: bool
-    seed: int
-    exit_interval: Optional[int]
-    exit_duration_in_mins: Optional[float]
-    exit_signal_handler: bool
-    check_for_nan_in_loss_and_grad: bool
-    distributed_backend: str
-    distributed_timeout_minutes: int
+    micro_batch_size: int = flag(None, required=True)
+    global_batch_size: int = flag(None, "default micro batch x data-parallel size")
+    decrease_batch_size_if_needed: ClassVar[bool] = flag(
+        False, "round --global-batch-size down to a multiple of micro batch x data-parallel "
+        "size (instead of an error)", kept=False)
+    dataloader_type: ClassVar[Optional[str]] = flag(
+        None, "only single here (Megatron-LM's default: the pretraining sampler, resumable at "
+        "any sample)", choices=("single", "cyclic", "external"), kept=False)
+    train_iters: int = flag(None)
+    train_samples: ClassVar[Optional[int]] = flag(
+        None, "instead of --train-iters: samples / global batch size iterations", kept=False)
+    eval_interval: int = flag(1000)
+    eval_iters: int = flag(100)
+    start_eval_at_iter: Optional[int] = flag(  # no evaluation before this iteration
+        None, "evaluate every --eval-interval from this iteration on")
+    skip_train: bool = flag(
+        False, "no training: load the weights at --load, evaluate --eval-iters validation "
+        "batches (from the start of the valid split), print the validation line and exit "
+        "(--train-iters, --lr and --save are not needed)")
+    seed: int = flag(1234)
+    exit_interval: Optional[int] = flag(None)
+    exit_duration_in_mins: Optional[float] = flag(
+        None, "save a checkpoint (with --save) and exit once the run has taken this many "
+        "minutes (checked after every iteration, the same on every rank)", type=number)
+    exit_signal_handler: bool = flag(
+        False, "on --exit-signal: save a checkpoint (with --save) and exit")
+    exit_signal: ClassVar[str] = flag(
+        "SIGTERM", "the signal of --exit-signal-handler, by name (only SIGTERM here: the helper "
+        "processes block SIGTERM alone, so another signal would kill them)", kept=False)
+    check_for_nan_in_loss_and_grad: bool = flag(
+        True, "train on past a NaN loss or a NaN / Inf gradient (without it the run stops "
+        "before that update, which would turn the weights into NaN; with --fp16 the loss "
+        "scaler skips such steps instead)", names=("--no-check-for-nan-in-loss-and-grad",))
+    distributed_backend: str = flag(None, "default nccl with CUDA, gloo without",
+                                    choices=("nccl", "gloo"))
+    distributed_timeout_minutes: int = flag(10)
+    # batch-size ramps, evaluation batches, GC, memory, rerun checks, profiling
+    rampup_batch_size: ClassVar[Optional[Tuple[int, int, int]]] = flag(
+        None, "grow the global batch from START by INCREMENT over SAMPLES samples up to "
+        "--global-batch-size (Megatron-LM's older ramp)", nargs=3, type=int,
+        metavar=("START", "INCREMENT", "SAMPLES"), kept=False)
+    step_batch_size_schedule: ClassVar[Optional[str]] = flag(
+        None, "'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T "
+        "suffixes); excludes --global-batch-size. One word or several: the unquoted expansion "
+        "of a bash array splits it", nargs="+", kept=False)
     batch_size_schedule: Optional[batch_schedule.Schedule]  # --rampup / --step-batch-size-*
-    eval_micro_batch_size: int
-    eval_global_batch_size: int
+    eval_micro_batch_size: int = flag(None, "default --micro-batch-size")
+    eval_global_batch_size: int = flag(None, "default --global-batch-size")
+    data_parallel_random_init: bool = flag(
+        False, "dropout streams seeded per data-parallel replica (seed + 10 x DP rank); the "
+        "weights are DP rank 0's, as Megatron-LM broadcasts them")
+    manual_gc: bool = flag(
+        False, "python's GC off; collect every --manual-gc-interval iterations and around "
+        "evaluations, the same on every rank")
+    manual_gc_interval: int = flag(0, "0: collect only around evaluations")
+    manual_gc_eval: bool = flag(True, "with --manual-gc: no collection around evaluations",
+                                names=("--no-manual-gc-eval", "--disable-manual-gc-eval"))
+    empty_unused_memory_level: int = flag(
+        0, "torch.cuda.empty_cache() after each step (1), also after evaluation (2); nothing "
+        "on CPU", choices=(0, 1, 2))
+    rerun_mode: str = flag(
+        "validate_results", "validate_results: the NaN check of the loss (no re-run of the "
+        "iteration); disabled: the loss is not checked (gradients still are)",
+        choices=("disabled", "validate_results", "report_stats"))
+    check_for_large_grads: ClassVar[bool] = flag(False, _RERUN_ENGINE, kept=False)
+    check_for_spiky_loss: ClassVar[bool] = flag(False, _RERUN_ENGINE, kept=False)
+    error_injection_rate: ClassVar[int] = flag(
+        0, "the rerun engine's fault injection (tests of Megatron-LM): only 0 here", kept=False)
+    error_injection_type: ClassVar[str] = flag(
+        "transient_error", "with --error-injection-rate", kept=False,
+        choices=("correct_result", "transient_error", "persistent_error"))
+    check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(
+        None, "every N iterations: raise unless every DP x SP replica holds the same weights "
+        "(megatron-core's check_param_hashes_across_dp_replicas)")
+    profile: bool = flag(
+        False, "profile the iterations numbered [--profile-step-start, --profile-step-end) in "
+        "the log with --use-pytorch-profiler; without it an nsys range (cudaProfilerStart/Stop, "
+        "GPU only) one iteration later, as Megatron-LM's")
+    use_pytorch_profiler: bool = flag(
+        False, "torch.profiler; rank R's chrome trace in "
+        "<--tensorboard-dir>/../torch_profile/rank-R.json.gz")
+    profile_step_start: int = flag(10)
+    profile_step_end: int = flag(12)
+    profile_ranks: Tuple[int, ...] = flag([], "default every rank", nargs="+", type=int)
+    pytorch_profiler_collect_shapes: bool = flag(
+        False, "with --use-pytorch-profiler: record the tensors' shapes")
+    pytorch_profiler_collect_callstack: bool = flag(
+        False, "with --use-pytorch-profiler: record the Python call stacks")
+    num_microbatches: int  # derived: the global batch / (micro batch x DP)
     eval_num_microbatches: int
-    data_parallel_random_init: bool
-    manual_gc: bool
-    manual_gc_interval: int
-    manual_gc_eval: bool
-    empty_unused_memory_level: int
-    rerun_mode: str
-    profile: bool
-    use_pytorch_profiler: bool
-    profile_step_start: int
-    profile_step_end: int
-    profile_ranks: Tuple[int, ...]
-    check_weight_hash_across_dp_replicas_interval: Optional[int]
-    start_eval_at_iter: Optional[int] = None  # no evaluation before this iteration
-    pytorch_profiler_collect_shapes: bool = False
-    pytorch_profiler_collect_callstack: bool = False
 
     def evaluates_after(self, iteration: int) -> bool:
         """Whether the loop evaluates after `iteration` steps: every --eval-interval, from
@@ -60,108 +122,7 @@ class TrainingConfig:
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, required=True)
-    g.add_argument("--global-batch-size", type=int, default=None,
-                   help="default micro batch x data-parallel size")
-    g.add_argument("--decrease-batch-size-if-needed", action="store_true",
-                   help="round --global-batch-size down to a multiple of micro batch x "
-                   "data-parallel size (instead of an error)")
-    g.add_argument("--dataloader-type", choices=("single", "cyclic", "external"), default=None,
-                   help="only single here (Megatron-LM's default: the pretraining sampler, "
-                   "resumable at any sample)")
-    g.add_argument("--train-iters", type=int, default=None)
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="instead of --train-iters: samples / global batch size iterations")
-    g.add_argument("--eval-interval", type=int, default=1000)
-    g.add_argument("--eval-iters", type=int, default=100)
-    g.add_argument("--start-eval-at-iter", type=int, default=None,
-                   help="evaluate every --eval-interval from this iteration on")
-    g.add_argument("--skip-train", action="store_true",
-                   help="no training: load the weights at --load, evaluate --eval-iters "
-                   "validation batches (from the start of the valid split), print the "
-                   "validation line and exit (--train-iters, --lr and --save are not needed)")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--exit-interval", type=int, default=None)
-    g.add_argument("--exit-duration-in-mins", type=number, default=None,
-                   help="save a checkpoint (with --save) and exit once the run has taken this "
-                   "many minutes (checked after every iteration, the same on every rank)")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on --exit-signal: save a checkpoint (with --save) and exit")
-    g.add_argument("--exit-signal", default="SIGTERM",
-                   help="the signal of --exit-signal-handler, by name (only SIGTERM here: the "
-                   "helper processes block SIGTERM alone, so another signal would kill them)")
-    g.add_argument("--no-check-for-nan-in-loss-and-grad", action="store_false",
-                   dest="check_for_nan_in_loss_and_grad",
-                   help="train on past a NaN loss or a NaN / Inf gradient (without it the run "
-                   "stops before that update, which would turn the weights into NaN; with "
-                   "--fp16 the loss scaler skips such steps instead)")
-    g.add_argument("--distributed-backend", choices=("nccl", "gloo"), default=None,
-                   help="default nccl with CUDA, gloo without")
-    g.add_argument("--distributed-timeout-minutes", type=int, default=10)
-    _add_run_arguments(g)
-
-
-def _add_run_arguments(g) -> None:
-    """Batch-size ramps, evaluation batches, GC, memory, rerun checks, profiling."""
-    g.add_argument("--rampup-batch-size", nargs=3, type=int, default=None,
-                   metavar=("START", "INCREMENT", "SAMPLES"),
-                   help="grow the global batch from START by INCREMENT over SAMPLES samples "
-                   "up to --global-batch-size (Megatron-LM's older ramp)")
-    g.add_argument("--step-batch-size-schedule", nargs="+", default=None,
-                   help="'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T "
-                   "suffixes); excludes --global-batch-size. One word or several: the "
-                   "unquoted expansion of a bash array splits it")
-    g.add_argument("--eval-micro-batch-size", type=int, default=None,
-                   help="default --micro-batch-size")
-    g.add_argument("--eval-global-batch-size", type=int, default=None,
-                   help="default --global-batch-size")
-    g.add_argument("--data-parallel-random-init", action="store_true",
-                   help="dropout streams seeded per data-parallel replica (seed + 10 x DP "
-                   "rank); the weights are DP rank 0's, as Megatron-LM broadcasts them")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="python's GC off; collect every --manual-gc-interval iterations and "
-                   "around evaluations, the same on every rank")
-    g.add_argument("--manual-gc-interval", type=int, default=0,
-                   help="0: collect only around evaluations")
-    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", action="store_false",
-                   dest="manual_gc_eval",
-                   help="with --manual-gc: no collection around evaluations")
-    g.add_argument("--empty-unused-memory-level", type=int, choices=(0, 1, 2), default=0,
-                   help="torch.cuda.empty_cache() after each step (1), also after evaluation "
-                   "(2); nothing on CPU")
-    g.add_argument("--rerun-mode", choices=("disabled", "validate_results", "report_stats"),
-                   default="validate_results",
-                   help="validate_results: the NaN check of the loss (no re-run of the "
-                   "iteration); disabled: the loss is not checked (gradients still are)")
-    g.add_argument("--check-for-large-grads", action="store_true",
-                   help="needs megatron-core's rerun engine: refused")
-    g.add_argument("--check-for-spiky-loss", action="store_true",
-                   help="needs megatron-core's rerun engine: refused")
-    g.add_argument("--error-injection-rate", type=int, default=0,
-                   help="the rerun engine's fault injection (tests of Megatron-LM): only 0 here")
-    g.add_argument("--error-injection-type", choices=("correct_result", "transient_error",
-                                                      "persistent_error"),
-                   default="transient_error", help="with --error-injection-rate")
-    g.add_argument("--check-weight-hash-across-dp-replicas-interval", type=int, default=None,
-                   help="every N iterations: raise unless every DP x SP replica holds the same "
-                   "weights (megatron-core's check_param_hashes_across_dp_replicas)")
-    g.add_argument("--profile", action="store_true",
-                   help="profile the iterations numbered [--profile-step-start, "
-                   "--profile-step-end) in the log with --use-pytorch-profiler; without it an "
-                   "nsys range (cudaProfilerStart/Stop, GPU only) one iteration later, as "
-                   "Megatron-LM's")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="torch.profiler; rank R's chrome trace in "
-                   "<--tensorboard-dir>/../torch_profile/rank-R.json.gz")
-    g.add_argument("--profile-step-start", type=int, default=10)
-    g.add_argument("--profile-step-end", type=int, default=12)
-    g.add_argument("--profile-ranks", nargs="+", type=int, default=[],
-                   help="default every rank")
-    g.add_argument("--pytorch-profiler-collect-shapes", action="store_true",
-                   help="with --use-pytorch-profiler: record the tensors' shapes")
-    g.add_argument("--pytorch-profiler-collect-callstack", action="store_true",
-                   help="with --use-pytorch-profiler: record the Python call stacks")
+    add_flags(parser, TrainingConfig, "training")
 
 
 def check_values(args) -> None:
@@ -179,22 +140,7 @@ def check_values(args) -> None:
     for name in ("eval_micro_batch_size", "eval_global_batch_size"):
         check_range(args, name, low=0, low_open=True, optional=True)
     check_range(args, "start_eval_at_iter", low=0, optional=True)
-    require(args.dataloader_type in (None, "single"), f"--dataloader-type "
-            f"{args.dataloader_type}: only single (Megatron-LM's default) is built here: each "
-            "sample is read once, in order, resumable at any sample; drop it")
-    require(args.error_injection_rate == 0, f"--error-injection-rate "
-            f"{args.error_injection_rate} injects faults into megatron-core's rerun engine, which "
-            "megatron_ulysses does not wire; drop it")
-    for flag in ("check_for_large_grads", "check_for_spiky_loss"):
-        require(not getattr(args, flag), f"--{flag.replace('_', '-')} needs megatron-core's "
-                "rerun engine (re-running an iteration), which megatron_ulysses does not wire; "
-                "drop it (NaN losses and gradients are checked: --rerun-mode)")
-    require(args.exit_signal == "SIGTERM", f"--exit-signal {args.exit_signal}: only SIGTERM "
-            "is handled here (the data workers and checkpoint writers block SIGTERM alone, so "
-            "another signal sent to the job would kill them); send SIGTERM (e.g. SLURM's "
-            "--signal=TERM@120)")
-    require(args.rerun_mode != "report_stats", "--rerun-mode report_stats needs megatron-core's "
-            "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled")
+    refuse_values(args, [name for name, _ in flags_of(TrainingConfig)])
     check_range(args, "seed", low=0, high=2**32 - 1)  # numpy seeds the data sampling with it
 
 

@@ -5,7 +5,7 @@ what is trained (telemetry, straggler detection, NCCL and checkpoint-I/O tuning,
 features that are off), each said once as ignored when given. Flags of features that would
 change the run are refused instead (`refused.py`)."""
 
-from .checks import Context
+from ..checks import Context
 
 
 def add_arguments(parser) -> None:

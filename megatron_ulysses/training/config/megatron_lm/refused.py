@@ -3,9 +3,12 @@ scope (MoE, RL, inference, ...), by group with one reason each, and single flags
 built here, each with why and what to use instead. Every flag of Megatron-LM's parser is either
 taken by a config section, accepted by `compat.py`, or named here, so a Megatron-LM command line
 never stops with a bare 'unrecognized arguments' (`tests/helpers/megatron_lm_flags.txt` lists them).
-`arguments.py` puts the refusal in the one message with the command line's other problems."""
+`arguments.py` puts the refusal in the one message with the command line's other problems.
+`REFUSED_VALUES` and `NOT_WIRED` refuse the values and features of flags a section parses."""
 
 from typing import Dict, List, Sequence
+
+from ....errors import ConfigError
 
 # (group, why, flag-name prefixes, flags): membership is by prefix where Megatron-LM names a
 # feature's flags that way.
@@ -188,3 +191,54 @@ def refusal(groups: Dict[str, List[str]], extra: Sequence[str] = ()) -> str:
              f"{group} ({', '.join(flags)}): {why[group]}" for group, flags in groups.items()]
     return ("these Megatron-LM features are out of scope for megatron_ulysses (dense GPT "
             "pretraining with Ulysses SP) or not built here: " + "; ".join(parts + list(extra)))
+
+
+_RERUN = ("needs megatron-core's rerun engine (re-running an iteration), which megatron_ulysses "
+          "does not wire; drop it (NaN losses and gradients are checked: --rerun-mode)")
+# (field, the values built here, the refusal of another `{value}`), checked where the section
+# of the field checks its values (`refuse_values`).
+REFUSED_VALUES = (
+    ("dataloader_type", (None, "single"), "--dataloader-type {value}: only single (Megatron-LM's "
+     "default) is built here: each sample is read once, in order, resumable at any sample; "
+     "drop it"),
+    ("error_injection_rate", (0,), "--error-injection-rate {value} injects faults into "
+     "megatron-core's rerun engine, which megatron_ulysses does not wire; drop it"),
+    ("check_for_large_grads", (False,), "--check-for-large-grads " + _RERUN),
+    ("check_for_spiky_loss", (False,), "--check-for-spiky-loss " + _RERUN),
+    ("exit_signal", ("SIGTERM",), "--exit-signal {value}: only SIGTERM is handled here (the "
+     "data workers and checkpoint writers block SIGTERM alone, so another signal sent to the "
+     "job would kill them); send SIGTERM (e.g. SLURM's --signal=TERM@120)"),
+    ("rerun_mode", ("disabled", "validate_results"), "--rerun-mode {value} needs megatron-core's "
+     "rerun engine, which megatron_ulysses does not wire; use validate_results or disabled"),
+    ("non_persistent_save_interval", (None,), "--non-persistent-save-interval: non-persistent "
+     "(local / global) checkpoints are not supported; use --save-interval"),
+    ("ckpt_format", ("torch", "torch_dist", "torch_dcp"), "--ckpt-format {value}: Megatron "
+     "FSDP's checkpoint format is not written here; use --ckpt-format torch_dist (the default; "
+     "--use-megatron-fsdp runs without --save / --load, --use-torch-fsdp2 saves torch_dist)"),
+    ("cuda_graph_impl", ("none",), "--cuda-graph-impl {value}: CUDA graphs are not wired into "
+     "megatron_ulysses yet (the Ulysses all-to-all is not captured); use none"),
+)
+
+# Features whose Megatron-LM rules are checked first (by their section), then refused here.
+NOT_WIRED = {
+    "--fp8-dot-product-attention": "Transformer Engine 2.20.2 found no FP8 attention kernel "
+    "for the head-sharded q, k, v between the all-to-alls (H100, head dim 64: 'No dot product "
+    "attention backend is available'); drop it (the linear layers still run in FP8)",
+    "--tp-comm-overlap": "Transformer Engine's userbuffers are not initialized for the "
+    "Ulysses-local sequence",
+    "Megatron-FSDP options": "Megatron-FSDP's meta-device initialization, NCCL user buffers, "
+    "double buffer, dtypes and outer (HSDP) sharding are not wired into megatron_ulysses' model "
+    "build; drop them",
+}
+
+
+def refuse_values(args, names: Sequence[str]) -> None:
+    """The first `REFUSED_VALUES` row of the fields `names` whose value is not built here."""
+    for name, built, refusal in REFUSED_VALUES:
+        if name in names and getattr(args, name) not in built:
+            raise ConfigError(refusal.format(value=getattr(args, name)))
+
+
+def not_wired(flags: str, feature: str = None) -> None:
+    """Refuse `flags` (given) of the `NOT_WIRED` feature (default: the flag itself)."""
+    raise ConfigError(f"{flags}: not supported yet: {NOT_WIRED[feature or flags]}")
