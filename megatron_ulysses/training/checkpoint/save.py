@@ -143,7 +143,7 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
                 **_save_options(flags))
             if request is not None:  # the write goes on in a helper; commit when it is done
                 request.add_finalize_fn(commit)
-                saver.schedule(request)
+                saver.schedule(request, (root, iteration, staging, needed))
         if request is None:
             commit()
     if request is not None:
