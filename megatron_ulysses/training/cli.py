@@ -54,7 +54,7 @@ def leave(code: int) -> int:
 def stop_children() -> None:
     """SIGKILL this rank's multiprocessing children (DataLoader workers, megatron-core's
     `multiprocessing.Manager` and checkpoint writers) before an error exit. They keep SIGTERM
-    blocked (`processes.helpers_keep_sigterm_blocked`), so multiprocessing's exit handler,
+    blocked (`processes.helpers_keep_signals_blocked`), so multiprocessing's exit handler,
     which terminates and joins them, would wait forever; an orphan would also keep the job's
     stdout open. SIGCHLD back to the default first: torch's DataLoader handler raises on a
     killed worker."""

@@ -7,7 +7,8 @@ PLANT="<phase>:<iteration>:<ranks>:<fault>" (ranks comma-separated) plants, on t
 - `enospc`: in phase `save`, every checkpoint file write fails with ENOSPC (in the writer
   process too, with --async-save);
 - `sigint`: SIGINT as Ctrl-C in a terminal sends it: to torchrun (the rank's parent) under
-  torchrun, else to the job's process group.
+  torchrun, else to the job's process group; in phase `save`, from inside the checkpoint write
+  (with --async-save: from the writer process, mid-write).
 Before it, `$PLANT_DIR/rank<r>.json` gets the rank's pid, its descendants' pids and the time.
 """
 
@@ -43,13 +44,35 @@ def _record(rank: int) -> None:
                    "time": time.time()}, f)
 
 
-def _fail_writes() -> None:
+def _interrupt(launcher: int) -> None:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        os.kill(launcher, signal.SIGINT)
+    else:
+        os.killpg(os.getpgrp(), signal.SIGINT)
+
+
+def _patch_writes(before) -> None:
+    """Every checkpoint file write (in megatron-core's writer processes too) calls `before`."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    def full(*args, **kwargs):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    real = filesystem_async._write_item
 
-    filesystem_async._write_item = full
+    def write(*args, **kwargs):
+        before()
+        return real(*args, **kwargs)
+
+    filesystem_async._write_item = write
+
+
+def _full() -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def _interrupt_once(launcher: int) -> None:
+    if not os.environ.get("PLANT_FIRED"):
+        os.environ["PLANT_FIRED"] = "1"
+        _interrupt(launcher)
+        time.sleep(2)  # still writing when the signal arrives
 
 
 def _fail_mid_save(iteration: int) -> None:
@@ -73,12 +96,12 @@ def at(phase: str, iteration: int) -> None:
         return
     _record(rank)
     if fault == "enospc":
-        _fail_writes()
+        _patch_writes(_full)
+    elif fault == "sigint" and phase == "save":
+        launcher = os.getppid()
+        _patch_writes(lambda: _interrupt_once(launcher))
     elif fault == "sigint":
-        if "TORCHELASTIC_RUN_ID" in os.environ:
-            os.kill(os.getppid(), signal.SIGINT)
-        else:
-            os.killpg(os.getpgrp(), signal.SIGINT)
+        _interrupt(os.getppid())
         time.sleep(60)  # the SIGINT arrives meanwhile
     elif phase == "save":
         _fail_mid_save(iteration)

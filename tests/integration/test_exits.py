@@ -136,22 +136,35 @@ def test_a_full_disk_during_a_save_is_one_message_with_the_bytes(tmp_path, nproc
     _assert_last_checkpoint_whole(save)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, nproc):
+CTRL_C = [  # (ranks, where planted, flags, where the line says it stopped)
+    (1, "step:4", [], "in iteration 4"),
+    (2, "step:4", [], "in iteration 4"),
+    # from the async writer, mid-write: the rank trains on until the signal reaches it
+    (1, "save:4", ["--async-save", "--use-persistent-ckpt-worker"], r"(in|saving) iteration \d"),
+]
+
+
+@pytest.mark.parametrize("nproc, plant, flags, where", CTRL_C,
+                         ids=["1rank", "torchrun-2ranks", "1rank-async-writer"])
+def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, nproc, plant, flags, where):
     """SIGINT as a terminal sends it: to the whole job (one process, no torchrun), or to
     torchrun, which forwards it to the ranks (its own status is then 1, with its traceback)."""
     save = str(tmp_path / "save")
-    script = [str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--save", save]
+    script = [str(REPO_ROOT / "pretrain_gpt.py"), *MODEL, *RUN, "--save", save, *flags]
     command = ([sys.executable, *script] if nproc == 1 else
                [sys.executable, "-m", "torch.distributed.run", "--standalone",
                 f"--nproc-per-node={nproc}", *script])
-    result = subprocess.run(command, env=_env(tmp_path, "step:4:0:sigint"), capture_output=True,
-                            text=True, timeout=120, start_new_session=True)
+    result = subprocess.run(command, env=_env(tmp_path, f"{plant}:0:sigint"),
+                            capture_output=True, text=True, timeout=120, start_new_session=True)
     assert time.time() - _planted_at(tmp_path) < PROMPT_S
-    lines = [line for line in result.stderr.splitlines() if "pretrain_gpt.py" in line]
-    assert lines == [f"pretrain_gpt.py: interrupted (SIGINT); stopped in iteration 4; "
-                     f"{LAST.format(save=save)}"], result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines()
+             if "pretrain_gpt.py:" in line and "warning:" not in line]
+    assert len(lines) == 1 and re.fullmatch(
+        rf"pretrain_gpt.py: interrupted \(SIGINT\); stopped {where}; "
+        rf"{re.escape(LAST.format(save=save))}", lines[0]), result.stderr[-3000:]
     assert "KeyboardInterrupt" not in result.stderr
+    if nproc == 1:
+        assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.returncode == (130 if nproc == 1 else 1), result.stderr[-3000:]
     wait_for(lambda: not _left_behind(tmp_path), 10, "the job's processes to end")
     _assert_last_checkpoint_whole(save)
