@@ -53,7 +53,7 @@ def leave(code: int) -> int:
 
 def stop_children() -> None:
     """SIGKILL this rank's multiprocessing children (DataLoader workers, megatron-core's
-    `multiprocessing.Manager` and checkpoint writers) before an error exit. They keep SIGTERM
+    `multiprocessing.Manager` and checkpoint writers) before the rank exits. They keep SIGTERM
     blocked (`processes.helpers_keep_signals_blocked`), so multiprocessing's exit handler,
     which terminates and joins them, would wait forever; an orphan would also keep the job's
     stdout open. SIGCHLD back to the default first: torch's DataLoader handler raises on a
@@ -92,8 +92,8 @@ def run_distributed(prog: str, body, reporters=None, ending=None) -> int:
     """Run `body()` (it starts the process groups) and tear the groups down after it. A
     `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
     maps other exception types to a function that reports one and returns the exit status;
-    anything else is `report_unexpected`'s (with `ending`). Helper processes are killed first,
-    and with several ranks any error exits at once (`leave`)."""
+    anything else is `report_unexpected`'s (with `ending`). Helper processes are killed at the
+    end (on an error first), and with several ranks any error exits at once (`leave`)."""
     import torch.distributed as dist
 
     from ..sp import parallel_state as ps
@@ -113,6 +113,7 @@ def run_distributed(prog: str, body, reporters=None, ending=None) -> int:
             return leave(report_unexpected(prog, error, ending))
         return leave(report(error))
     finally:  # reached on success, or alone (with several ranks an error left above)
+        stop_children()  # also on success: something may still hold a DataLoader's iterator
         if ps.is_initialized():
             ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -187,6 +187,21 @@ def test_wandb_without_an_api_key_is_refused_before_the_process_groups(tmp_path)
     assert "iteration" not in result.stdout and "world" not in result.stdout
 
 
+def test_a_failed_wandb_init_trains_on_and_the_job_ends(tmp_path):
+    """W&B online with a key but no server (a compute node): one warning, the run trains to the
+    end and exits; nothing the failed init keeps alive keeps the DataLoader workers waited on."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+               WANDB_API_KEY="a" * 40, WANDB_BASE_URL="http://127.0.0.1:9", WANDB_INIT_TIMEOUT="1")
+    result = launcher.pretrain(1, [*MODEL, *RUN, "--save", str(tmp_path / "save"),
+                                   "--wandb-project", "p", "--wandb-exp-name", "e"], env=env,
+                               timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "WARNING: --wandb-project p: wandb.init failed (" in result.stdout
+    assert "Training goes on without W&B" in result.stdout
+    assert "iteration        6/" in result.stdout
+
+
 class _Logging:
     wandb_project, wandb_entity, wandb_exp_name, wandb_save_dir = "p", None, "e", "/nonexistent"
 
