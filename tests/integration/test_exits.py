@@ -172,16 +172,20 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint(tmp_path, nproc, plant, f
 
 # --- W&B ----------------------------------------------------------------------------------------
 
-def test_wandb_without_an_api_key_is_refused_before_the_process_groups(tmp_path):
+@pytest.mark.parametrize("key, words", [(None, "W&B has no API key"),
+                                        ("short", "WANDB_API_KEY invalid")])
+def test_wandb_without_an_api_key_is_refused_before_the_process_groups(tmp_path, key, words):
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(HOME=str(tmp_path), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if key:
+        env["WANDB_API_KEY"] = key
     result = launcher.pretrain(1, [*MODEL, *RUN, "--save", str(tmp_path / "save"),
                                    "--wandb-project", "p", "--wandb-exp-name", "e"], env=env,
                                timeout=120)
     assert result.returncode == 1  # torchrun's, after the rank's 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr[-3000:]
-    assert lines[0].startswith("pretrain_gpt.py: error: --wandb-project p: W&B has no API key")
+    assert lines[0].startswith(f"pretrain_gpt.py: error: --wandb-project p: {words}")
     for fix in ("`wandb login`", "WANDB_API_KEY", "WANDB_MODE=offline"):
         assert fix in lines[0]
     assert "iteration" not in result.stdout and "world" not in result.stdout
