@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     except ConfigError as error:
         return report_error(PROG, error)
     from megatron_ulysses.data.datasets import DataError
+    from megatron_ulysses.training import exits
     from megatron_ulysses.training.loop import pretrain
     from megatron_ulysses.training.schedule import NonFiniteError
 
@@ -60,7 +61,9 @@ def main(argv=None) -> int:
     # gradient, found by every rank (--check-for-nan-in-loss-and-grad)
     return run_distributed(PROG, lambda: pretrain(config),
                            {DataError: lambda error: _report_data_error(error, config),
-                            NonFiniteError: lambda error: report_error(PROG, error)})
+                            NonFiniteError: lambda error: report_error(PROG, error)},
+                           ending=lambda: (f"stopped {exits.where()}; "
+                                           f"{exits.last_checkpoint(config.checkpoint.save)}"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence
 import numpy
 import torch
 
-from ..training.processes import helpers_keep_sigterm_blocked
+from ..training.processes import helpers_keep_signals_blocked
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -471,5 +471,5 @@ def build_data_iterator(
         persistent_workers=num_workers > 0,
         generator=torch.Generator().manual_seed(consumed_samples),
     )
-    with helpers_keep_sigterm_blocked():  # the workers: a job's SIGTERM is the trainer's to handle
+    with helpers_keep_signals_blocked():  # the workers: a job's signals are the trainer's
         return iter(loader)

@@ -52,23 +52,48 @@ def leave(code: int) -> int:
 
 
 def stop_children() -> None:
-    """End this rank's multiprocessing children (megatron-core's checkpoint saves start a
-    `multiprocessing.Manager` server) before an error exit: `os._exit`, or the SIGTERM torchrun
-    sends the other ranks, skips their finalizers, and an orphan would keep the job's stdout
-    open (and its launcher waiting) after every rank is gone."""
+    """SIGKILL this rank's multiprocessing children (DataLoader workers, megatron-core's
+    `multiprocessing.Manager` and checkpoint writers) before the rank exits. They keep SIGTERM
+    blocked (`processes.helpers_keep_signals_blocked`), so multiprocessing's exit handler,
+    which terminates and joins them, would wait forever; an orphan would also keep the job's
+    stdout open. SIGCHLD back to the default first: torch's DataLoader handler raises on a
+    killed worker."""
     import multiprocessing
 
-    for child in multiprocessing.active_children():
-        child.terminate()
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    children = multiprocessing.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(timeout=5)
 
 
-def run_distributed(prog: str, body, reporters=None) -> int:
-    """Run `body()` (it starts the process groups) and tear the groups down after it. A
-    `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
-    maps other exception types to a function that reports one and returns the exit status.
-    With several ranks any error exits at once (`leave`)."""
+def report_unexpected(prog: str, error: BaseException, ending=None) -> int:
+    """Ctrl-C (SIGINT): one line by rank 0, exit status 130 (128 + SIGINT). Any other error:
+    its traceback and one line naming it and the rank, exit status 1. `ending()`: where the run
+    stopped and what it leaves, appended to the line."""
     import traceback
 
+    from .exits import interrupted
+
+    tail = f"; {ending()}" if ending is not None else ""
+    if isinstance(error, KeyboardInterrupt) or interrupted():
+        if is_rank_0():
+            print(f"{prog}: interrupted (SIGINT){tail}", file=sys.stderr, flush=True)
+        return 130
+    traceback.print_exc()
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    print(f"{prog}: error: {type(error).__name__} on rank {os.environ.get('RANK', '0')}: "
+          f"{first} (traceback above){tail}", file=sys.stderr, flush=True)
+    return 1
+
+
+def run_distributed(prog: str, body, reporters=None, ending=None) -> int:
+    """Run `body()` (it starts the process groups) and tear the groups down after it. A
+    `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
+    maps other exception types to a function that reports one and returns the exit status;
+    anything else is `report_unexpected`'s (with `ending`). Helper processes are killed at the
+    end (on an error first), and with several ranks any error exits at once (`leave`)."""
     import torch.distributed as dist
 
     from ..sp import parallel_state as ps
@@ -77,17 +102,18 @@ def run_distributed(prog: str, body, reporters=None) -> int:
     reporters = {ConfigError: lambda error: report_error(prog, error), **(reporters or {})}
     try:
         body()
-    except tuple(reporters) as error:
-        stop_children()
-        return leave(next(report for kind, report in reporters.items()
-                          if isinstance(error, kind))(error))
-    except BaseException:
-        stop_children()
-        if not alone():
-            traceback.print_exc()
-            leave(1)
+    except SystemExit:
         raise
+    except BaseException as error:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut this short
+        stop_children()
+        report = next((report for kind, report in reporters.items()
+                       if isinstance(error, kind)), None)
+        if report is None:
+            return leave(report_unexpected(prog, error, ending))
+        return leave(report(error))
     finally:  # reached on success, or alone (with several ranks an error left above)
+        stop_children()  # also on success: something may still hold a DataLoader's iterator
         if ps.is_initialized():
             ps.destroy_model_parallel()
         if dist.is_initialized():

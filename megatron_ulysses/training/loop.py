@@ -21,6 +21,7 @@ from .chunks import model_chunks
 from .checkpoint.load import carried_common_state, load_checkpoint
 from .checkpoint.save import save_checkpoint
 from .config import RunConfig
+from . import exits, wandb_run
 from .exits import ExitRequest
 from .fsdp import RankBytesLog, sharding_strategy
 from .inputs import build_batches, check_inputs
@@ -85,10 +86,14 @@ def pretrain(config: RunConfig) -> None:
     """Build everything and train for `--train-iters` steps (resuming from `--load`)."""
     start = time.time()  # --exit-duration-in-mins counts from here
     set_logging_level(config.logging.logging_level)
+    exits.watch_interrupt()
     guard_rank()  # its helper processes die with it, it with torchrun
     tokenizer = check_inputs(config)  # a bad input leaves nothing behind, not even --save
-    if config.checkpoint.save and os.environ.get("RANK", "0") == "0":
-        lock_save_dir(config.checkpoint.save)  # one live job per --save
+    if os.environ.get("RANK", "0") == "0":
+        if config.logging.wandb_project:
+            wandb_run.check_credentials(config.logging.wandb_project)
+        if config.checkpoint.save:
+            lock_save_dir(config.checkpoint.save)  # one live job per --save
     dims = config.dims
     config = config.with_padded_vocab_size(model_vocab_size(
         tokenizer.vocab_size, config.model.padded_vocab_size,
@@ -132,6 +137,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     job_start, saver = consumed, CheckpointSaver(checkpoint)
 
     def save():
+        exits.at("save", iteration)
         gather_params(model, config.performance)
         with logger.paused():
             save_checkpoint(checkpoint.save, iteration, model, optimizer, scheduler, config,
@@ -143,7 +149,9 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
     print_rank_0(f" > training from iteration {iteration} to {training.train_iters}")
     saved = True
     shard_bytes = RankBytesLog(model, optimizer, sharding_strategy(config.performance))
+    exits.at("setup", iteration)
     while iteration < training.train_iters:
+        exits.at("step", iteration + 1)
         hooks.before_step(iteration)
         batch = global_batch_size_at(consumed, training.batch_size_schedule,
                                      training.global_batch_size)
@@ -172,6 +180,7 @@ def _train(config: RunConfig, built, batches, iteration: int, consumed: int,
             break
     if checkpoint.save and not saved:
         save()
+    exits.at("end", iteration)
     saver.close()
     hooks.close()
     logger.close()
@@ -188,6 +197,7 @@ def _stop_after(iteration: int, training, exit_request: ExitRequest):
 def _validate(iteration: int, valid_batches, model, training, local_seq: int, logger,
               hooks) -> None:
     """The --eval-iters validation batches, logged (the step's timers paused)."""
+    exits.at("evaluate", iteration)
     with logger.paused(), hooks.around_evaluation():
         logger.log_validation(iteration, evaluate(valid_batches, model, training, local_seq))
 

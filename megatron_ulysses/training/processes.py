@@ -1,4 +1,5 @@
-"""The trainer's helper processes: they outlive no rank, and SIGTERM does not kill them first.
+"""The trainer's helper processes: they outlive no rank, and SIGTERM or SIGINT does not kill
+them first.
 
 A rank starts helpers it does not control: torch DataLoader workers (forked), megatron-core's
 checkpoint writers (forked per save) and the `multiprocessing.Manager` server holding its write
@@ -9,9 +10,11 @@ follow from that:
   each worker's process group) signal every process at once. With `--exit-signal-handler` the
   rank only notes the signal and saves at the next iteration boundary, but its helpers died at
   once (a DataLoader worker "killed by signal: Terminated", a BrokenPipeError from the dead
-  Manager), taking the save with them. `helpers_keep_sigterm_blocked` starts helpers with
+  Manager), taking the save with them. `helpers_keep_signals_blocked` starts helpers with
   SIGTERM blocked: the mask is inherited through fork and exec and nothing in them unblocks it,
-  so a SIGTERM meant for the job stays pending in them and the rank saves.
+  so a SIGTERM meant for the job stays pending in them and the rank saves. SIGINT too (Ctrl-C,
+  which torchrun forwards the same way): a helper would print its own KeyboardInterrupt
+  traceback; the rank reports the interrupt once and kills its helpers (`cli.stop_children`).
 * Orphans. A rank killed with SIGKILL cannot stop its helpers; a spawned Manager server never
   notices, and it, the resource tracker and a writer blocked on a semaphore kept the job's stdout
   open, so `torchrun ... | tee log` never ended. `start_reaper` forks a small process that waits
@@ -103,14 +106,14 @@ def die_with_launcher() -> None:
 
 
 @contextlib.contextmanager
-def helpers_keep_sigterm_blocked():
+def helpers_keep_signals_blocked():
     """Run a block that starts helper processes (a DataLoader's workers, a checkpoint save)
-    with SIGTERM blocked in this thread, so that they start, and stay, with it blocked. A
-    SIGTERM for this process meanwhile waits (or goes to another thread): the rank's own
-    handler still sees it."""
+    with SIGTERM and SIGINT blocked in this thread, so that they start, and stay, with them
+    blocked. A signal for this process meanwhile waits (or goes to another thread): the rank's
+    own handler still sees it, after the block."""
     # The resource tracker unblocks SIGTERM after starting itself: start it first.
     multiprocessing.resource_tracker.ensure_running()
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
     try:
         yield
     finally:

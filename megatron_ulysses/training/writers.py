@@ -7,6 +7,8 @@ import dataclasses
 
 import torch.distributed as dist
 
+from . import wandb_run
+
 
 def _flat_config(config) -> dict:
     """The run's flags as one flat dict (W&B's run config, as Megatron-LM passes `vars(args)`)."""
@@ -35,11 +37,7 @@ class ScalarWriters:
             self.tensorboard = SummaryWriter(log_dir=logging.tensorboard_dir,
                                              max_queue=logging.tensorboard_queue_size)
         if logging.wandb_project:
-            import wandb  # the config section checked that it is installed
-
-            self.wandb = wandb.init(project=logging.wandb_project, entity=logging.wandb_entity,
-                                    name=logging.wandb_exp_name, dir=logging.wandb_save_dir,
-                                    config=_flat_config(config))
+            self.wandb = wandb_run.start(logging, _flat_config(config))
 
     @property
     def active(self) -> bool:
@@ -56,13 +54,13 @@ class ScalarWriters:
     def timer_writers(self) -> list:
         """What megatron-core's `Timers.write` writes to (a SummaryWriter, the wandb module): one
         entry per configured backend on every rank, since each write is a collective; None off
-        rank 0."""
+        rank 0 and for a backend that did not start (a failed `wandb.init`)."""
         writers = [self.tensorboard] if self.tensorboard is not None else []
         if self.wandb is not None:
             import wandb
 
             writers.append(wandb)
-        return writers or [None] * self.backends
+        return writers + [None] * (self.backends - len(writers))
 
     def flush(self) -> None:
         if self.tensorboard is not None:

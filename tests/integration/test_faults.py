@@ -354,7 +354,8 @@ def test_a_save_io_error_is_one_message_and_keeps_the_last_checkpoint(tmp_path, 
     # a full disk: ENOSPC, or torch's zip writer's "unexpected pos" with the free space short
     assert re.match(rf"pretrain_gpt.py: error: --save {re.escape(save)}: saving iteration 4 "
                     rf"failed: (\[Errno \d+\] )?{words}", errors[0]), errors[0]
-    assert re.search(r"The checkpoint needs about [\d.]+ MiB; [\d.]+ MiB free there", errors[0])
+    assert re.search(r"The checkpoint needs about [\d.]+ MiB \(\d+ bytes\); [\d.]+ MiB free "
+                     "there", errors[0])
     assert "Traceback (most recent call last):\n  File \"" + str(REPO_ROOT) not in text
     assert sorted(os.listdir(out)) == [".lock", "iter_0000002", TRACKER]
     verify_shards(read_common_state(str(out))[1])  # the last checkpoint, whole

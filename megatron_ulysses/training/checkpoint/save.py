@@ -135,15 +135,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, conf
     validate = saver.validate_structure
     with save_guard.staged_save(root, iteration, final, needed) as staging:
         commit = functools.partial(_commit_save, root, iteration, staging, previous, flags)
-        # Helpers (megatron-core's Manager, its writers) keep SIGTERM blocked: see processes.
-        with processes.helpers_keep_sigterm_blocked(), quiet_torch_checkpoint():
+        # Helpers (megatron-core's Manager, its writers) keep SIGTERM, SIGINT blocked: processes.
+        with processes.helpers_keep_signals_blocked(), quiet_torch_checkpoint():
             request = dist_checkpointing.save(
                 state, staging, sharded_strategy=saver.strategy(),
                 validate_access_integrity=validate, async_sharded_save=flags.async_save,
                 **_save_options(flags))
             if request is not None:  # the write goes on in a helper; commit when it is done
                 request.add_finalize_fn(commit)
-                saver.schedule(request)
+                saver.schedule(request, (root, iteration, staging, needed))
         if request is None:
             commit()
     if request is not None:

@@ -332,35 +332,45 @@ def _size(num: float) -> str:
 @contextlib.contextmanager
 def staged_save(root: str, iteration: int, final: str, needed_bytes):
     """Every rank: yields this save's staging directory for `final` (`staging_dir`). An I/O
-    error inside, on any rank, becomes one `SaveError` naming --save; rank 0 first removes the
-    staging directory, so the free space it reports is what the next save has. `needed_bytes()`:
-    about what the save writes."""
+    error inside, on any rank, becomes one `SaveError` naming --save (`save_error`).
+    `needed_bytes()`: about what the save writes."""
     staging = None
     try:
         staging = staging_dir(final)
         yield staging
     except BaseException as error:
-        found = _failure(error)
-        if found is None:
+        failure = save_error(error, root, iteration, staging, needed_bytes)
+        if failure is None:
             raise
-        if staging is not None and dist.get_rank() == 0:
-            shutil.rmtree(staging, ignore_errors=True)
-        cause, seen_here = found
-        if not seen_here:
-            raise SaveError(f"--save {root}: saving iteration {iteration} failed on another "
-                            "rank (rank 0 reports why)") from None
-        needed = needed_bytes()
-        try:
-            free_bytes = shutil.disk_usage(root).free
-        except OSError:
-            free_bytes = None
-        if free_bytes is not None and free_bytes < needed \
-                and not cause.startswith("[Errno 28]"):  # torch's zip writer can hide ENOSPC
-            cause = f"No space left on device ({cause})"
-        free = "unknown" if free_bytes is None else _size(free_bytes)
-        raise SaveError(
-            f"--save {root}: saving iteration {iteration} failed: {cause}. The checkpoint needs "
-            f"about {_size(needed)}; {free} free there. The checkpoints already in --save "
-            "are untouched (latest_checkpointed_iteration.txt names the last complete one): "
-            "free space or fix the permissions, or give another --save, and resume with --load"
-        ) from None
+        raise failure from None
+
+
+def save_error(error: BaseException, root: str, iteration: int, staging, needed_bytes):
+    """Every rank, after `error` ended the save of `iteration` (in the loop, or in an async
+    save's finalize step): the one `SaveError` naming --save, the failure, the bytes needed and
+    the free space, or None where `error` is no I/O failure. Rank 0 first removes the staging
+    directory, so the free space it reports is what the next save has."""
+    found = _failure(error)
+    if found is None:
+        return None
+    if staging is not None and dist.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+    cause, seen_here = found
+    if not seen_here:
+        return SaveError(f"--save {root}: saving iteration {iteration} failed on another rank "
+                         "(rank 0 reports why)")
+    needed = needed_bytes()
+    try:
+        free_bytes = shutil.disk_usage(root).free
+    except OSError:
+        free_bytes = None
+    if free_bytes is not None and free_bytes < needed \
+            and not cause.startswith("[Errno 28]"):  # torch's zip writer can hide ENOSPC
+        cause = f"No space left on device ({cause})"
+    free = "unknown" if free_bytes is None else _size(free_bytes)
+    return SaveError(
+        f"--save {root}: saving iteration {iteration} failed: {cause}. The checkpoint needs "
+        f"about {_size(needed)} ({needed} bytes); {free} free there. "
+        "The checkpoints already in --save are untouched (latest_checkpointed_iteration.txt "
+        "names the last complete one): free space or fix the permissions, or give another "
+        "--save, and resume with --load")

@@ -18,6 +18,7 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 
 from ..logging import print_rank_0
+from .save_guard import save_error
 
 
 class CheckpointSaver:
@@ -27,6 +28,7 @@ class CheckpointSaver:
         self.config = config
         self._strategy = None
         self.queue = None
+        self._pending = None  # the scheduled save: (root, iteration, staging, needed_bytes)
         if config.async_save:
             # megatron-core's persistent worker sets a CUDA device in its spawned process; on
             # CPU each save forks its own writer (megatron-core's TemporalAsyncCaller).
@@ -60,16 +62,29 @@ class CheckpointSaver:
         with --ckpt-assume-constant-structure (as Megatron-LM)."""
         return not (self.config.ckpt_assume_constant_structure and self._strategy is not None)
 
-    def schedule(self, request) -> None:
-        """Start an async save's write (every rank); the previous one is finalized first."""
+    def schedule(self, request, save) -> None:
+        """Start an async save's write (every rank); the previous one is finalized first.
+        `save`: (root, iteration, staging, needed_bytes), for the message if it fails."""
         self.finalize(blocking=True)
         self.queue.schedule_async_request(request)
+        self._pending = save
 
     def finalize(self, blocking: bool = False) -> None:
         """Run the finalize steps of the async saves whose writes are done on every rank
-        (blocking: wait for all). A collective: every rank calls it at the same points."""
-        if self.queue is not None:
+        (blocking: wait for all). A collective: every rank calls it at the same points. A
+        write that failed on I/O (in the writer process) is one `SaveError`, as in a
+        synchronous save."""
+        if self.queue is None:
+            return
+        try:
             self.queue.maybe_finalize_async_calls(blocking=blocking)
+        except BaseException as error:
+            failure = self._pending and save_error(error, *self._pending)
+            if not failure:
+                raise
+            raise failure from None
+        if self.queue.get_num_unfinalized_calls() == 0:
+            self._pending = None
 
     def close(self) -> None:
         """Finish every pending save (the end of the run, an exit)."""

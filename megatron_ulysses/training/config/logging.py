@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from ..wandb_run import EXTRA
 from .checks import Context, check_output_dir, check_positive, check_range, require
 
 
@@ -31,6 +32,7 @@ class LoggingConfig:
     wandb_entity: Optional[str] = None
     wandb_exp_name: Optional[str] = None
     wandb_save_dir: Optional[str] = None
+    wandb_init_failure: str = "continue"
 
 
 def add_arguments(parser) -> None:
@@ -74,6 +76,9 @@ def add_arguments(parser) -> None:
     g.add_argument("--wandb-exp-name", type=str, default=None)
     g.add_argument("--wandb-save-dir", type=str, default=None,
                    help="W&B's local directory (default: <--save>/wandb)")
+    g.add_argument("--wandb-init-failure", choices=("continue", "exit"), default="continue",
+                   help="when wandb.init fails (no network on the node): train on without W&B "
+                   "(one warning), or stop the run with one message")
 
 
 def check_values(args) -> None:
@@ -104,8 +109,7 @@ def _validate_wandb(args, ctx: Context) -> None:
                                 "nothing is logged to W&B (as in Megatron-LM)")
         return
     require(importlib.util.find_spec("wandb") is not None,
-            f"--wandb-project {args.wandb_project} needs the wandb package: "
-            "pip install megatron_ulysses[wandb]")
+            f"--wandb-project {args.wandb_project} needs the wandb package: {EXTRA}")
     require(bool(args.wandb_exp_name), "--wandb-project needs --wandb-exp-name (the W&B run "
             "name; Megatron-LM requires it too)")
     if args.wandb_save_dir is None:
