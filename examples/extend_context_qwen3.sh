@@ -26,9 +26,10 @@
 # assistant turns; docs/training.md], SFT_CHAT_TEMPLATE [none: the tokenizer's own; a Jinja file
 # to fine-tune with instead: Qwen3's own drops the <think> blocks of earlier turns, so
 # chat-template needs one that marks the assistant turns with {% generation %}, such as TRL's
-# qwen3_training.jinja; docs/context_extension.md], SAVE_INTERVAL [100], EVAL_INTERVAL [100], EVAL_ITERS [4], WORKERS [16],
-# SPLIT [99,1,0], GPU_ARGS [--bf16 --use-distributed-optimizer; empty to run on CPU],
-# MEMORY_ARGS [TiledMLP, tiled loss and full recompute, as in extend_context_llama3.sh].
+# qwen3_training.jinja; docs/context_extension.md], SAVE_INTERVAL [100], EVAL_INTERVAL [100],
+# EVAL_ITERS [4], WORKERS [16], SPLIT [99,1,0], GPU_ARGS [--bf16 --use-distributed-optimizer;
+# empty to run on CPU], MEMORY_ARGS [TiledMLP, tiled loss and full recompute, as in
+# extend_context_llama3.sh].
 # Extra arguments go to both pretrain_gpt.py runs.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"

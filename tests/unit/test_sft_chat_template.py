@@ -2,14 +2,18 @@
 (Qwen2.5) and Llama 3 the loss mask is the hand-computed one (each assistant turn's content and
 end-of-turn token, ChatML's newline after it; never the generation prompt); the packed sample's
 loss counts exactly those tokens; a Qwen3-style template that rewrites earlier turns is refused
-at load time, or, with {% generation %} marks, masked as HF's return_assistant_tokens_mask; a
-template that rewrites some conversations only is refused on the first of them."""
+at load time (one ConfigError before any process group), or, with {% generation %} marks,
+masked as HF's return_assistant_tokens_mask; a template that rewrites some conversations only
+is refused on the first of them."""
 
 import pytest
-from sft_data import CHAT_TEMPLATE, CHAT_TEMPLATES, save_sft_tokenizer
+from sft_data import CHAT_TEMPLATE, CHAT_TEMPLATES, SFT_JSONL, save_sft_tokenizer
 
 from megatron_ulysses.data.datasets import DataError
 from megatron_ulysses.data.sft import SFTTokenizer, pack
+from megatron_ulysses.errors import ConfigError
+from megatron_ulysses.training.arguments import parse_args
+from megatron_ulysses.training.inputs import check_inputs
 
 CONVERSATION = [{"role": "system", "content": "use tools"},
                 {"role": "user", "content": "what time"}, {"role": "tool", "content": "noon"},
@@ -69,6 +73,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
                               f"{str(tmp_path / 'qwen3')!r} renders earlier turns differently")
     assert "{% generation %}" in message and "--sft-tokenizer-prompt-format default" in message
     _tokenizer(tmp_path, "qwen3", "default")  # every token in the loss: no need to find them
+    # before any process group: one ConfigError
+    config = parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads",
+                         "8", "--seq-length", "64", "--max-position-embeddings", "64",
+                         "--micro-batch-size", "1", "--global-batch-size", "1", "--train-iters",
+                         "1", "--lr", "1e-4", "--sft", "--data-path", str(SFT_JSONL),
+                         "--tokenizer-type", "SFTTokenizer", "--tokenizer-model",
+                         str(tmp_path / "qwen3"), "--sft-tokenizer-prompt-format",
+                         "chat-template"], world_size=1)
+    with pytest.raises(ConfigError) as error:
+        check_inputs(config)
+    assert str(error.value) == message
 
 
 def test_generation_marks_give_hf_assistant_mask(tmp_path):
