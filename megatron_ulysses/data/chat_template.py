@@ -38,11 +38,17 @@ class AssistantMask:
         self.tagged = bool(GENERATION_TAG.search(tokenizer.chat_template))
         try:
             spans = self._spans(PROBE, self._ids(PROBE))
+            marked = self._marked(PROBE)[1] if spans is None and self.tagged else [True]
         except Exception as error:  # jinja raises TemplateError, TypeError, ...
             raise ValueError(f"the chat template of {where} fails on a plain user/assistant "
                              f"conversation ({type(error).__name__}: {str(error)[:200]}), "
                              "which --sft-tokenizer-prompt-format chat-template renders; "
                              f"{FIXES}") from None
+        if not any(marked):
+            raise ValueError(f"the chat template of {where} has {{% generation %}} marks "
+                             "around no token of the assistant turns, so "
+                             "--sft-tokenizer-prompt-format chat-template would train on "
+                             f"nothing; {FIXES}")
         if spans is None and not self.tagged:
             raise ValueError(
                 f"the chat template of {where} renders earlier turns differently once later "
@@ -87,6 +93,10 @@ class AssistantMask:
                 f"conversation {str(conversation)[:120]} differently once later ones follow, so "
                 "--sft-tokenizer-prompt-format chat-template cannot find its assistant turns' "
                 f"tokens, and it has no {{% generation %}} marks; {FIXES}")
+        return self._marked(conversation)
+
+    def _marked(self, conversation: List[Dict]) -> Tuple[List[int], List[bool]]:
+        """HF's tokens and mask of the template's ``{% generation %}`` blocks."""
         rendered = self.tokenizer.apply_chat_template(
             conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         return list(rendered["input_ids"]), [bool(m) for m in rendered["assistant_masks"]]

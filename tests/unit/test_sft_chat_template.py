@@ -86,6 +86,17 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(tmp_path):
     assert str(error.value) == message
 
 
+def test_generation_marks_around_nothing_are_refused(tmp_path):
+    template, specials, extra = CHAT_TEMPLATES["qwen3"]
+    empty = template.replace("{{- m.content + '<|im_end|>\n' }}",
+                             "{%- generation %}{%- endgeneration %}"
+                             "{{- m.content + '<|im_end|>\n' }}")
+    assert empty != template
+    with pytest.raises(ValueError, match="has {% generation %} marks around no token"):
+        SFTTokenizer(save_sft_tokenizer(tmp_path / "empty", empty, specials, extra),
+                     "chat-template")
+
+
 def test_generation_marks_give_hf_assistant_mask(tmp_path):
     tokenizer = _tokenizer(tmp_path, "qwen3-generation")
     hf = tokenizer.tokenizer.apply_chat_template(
