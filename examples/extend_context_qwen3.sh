@@ -7,8 +7,8 @@
 #   2. tokenize long documents with the model's own tokenizer (tools/preprocess_data.py),
 #   3. continue pretraining at SEQ_LENGTH with SP and the ALST memory features; the YaRN flags
 #      come from the checkpoint (--use-checkpoint-args),
-#   4. fine-tune (--sft) at SEQ_LENGTH on JSONL conversations (SFTTokenizer on the model's
-#      tokenizer and chat template),
+#   4. fine-tune (--sft) at SEQ_LENGTH on JSONL conversations, the loss on the assistant turns
+#      only (SFTTokenizer on the model's tokenizer and chat template, or SFT_CHAT_TEMPLATE),
 #   5. export to a Hugging Face folder whose config.json has the yarn rope_scaling.
 # Each step is skipped when its output exists, so the script resumes where it stopped (steps 3
 # and 4 resume from their last checkpoint).
@@ -22,10 +22,14 @@
 # GPUS_PER_NODE [8], ORIGINAL_CONTEXT [32768], YARN_FACTOR [4], SEQ_LENGTH [ORIGINAL_CONTEXT x
 # YARN_FACTOR], GLOBAL_BATCH [DP x 4, DP = GPUS_PER_NODE / SP], TRAIN_ITERS [1000], LR [1e-5],
 # MIN_LR [1e-6], WARMUP_ITERS [20], SFT_ITERS [500], SFT_LR [5e-6], SFT_MIN_LR [5e-7],
-# SFT_WARMUP_ITERS [10], SFT_FORMAT [default: the tokenizer's chat template, every token in the
-# loss; docs/training.md], SAVE_INTERVAL [100], EVAL_INTERVAL [100], EVAL_ITERS [4], WORKERS [16],
-# SPLIT [99,1,0], GPU_ARGS [--bf16 --use-distributed-optimizer; empty to run on CPU],
-# MEMORY_ARGS [TiledMLP, tiled loss and full recompute, as in extend_context_llama3.sh].
+# SFT_WARMUP_ITERS [10], SFT_FORMAT [chat-template: the chat template, the loss on the
+# assistant turns; docs/training.md], SFT_CHAT_TEMPLATE [none: the tokenizer's own; a Jinja file
+# to fine-tune with instead: Qwen3's own drops the <think> blocks of earlier turns, so
+# chat-template needs one that marks the assistant turns with {% generation %}, such as TRL's
+# qwen3_training.jinja; docs/context_extension.md], SAVE_INTERVAL [100], EVAL_INTERVAL [100],
+# EVAL_ITERS [4], WORKERS [16], SPLIT [99,1,0], GPU_ARGS [--bf16 --use-distributed-optimizer;
+# empty to run on CPU], MEMORY_ARGS [TiledMLP, tiled loss and full recompute, as in
+# extend_context_llama3.sh].
 # Extra arguments go to both pretrain_gpt.py runs.
 set -euo pipefail
 source "$(dirname "$0")/common.sh"
@@ -111,6 +115,21 @@ torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain_gpt.py \
     --save "$CPT_DIR" --save-interval "${SAVE_INTERVAL:-100}" \
     --tensorboard-dir "$RUN_DIR/tensorboard/pretrain" "$@" 2>&1 | tee -a "$RUN_DIR/pretrain.log"
 
+# The tokenizer files with SFT_CHAT_TEMPLATE as their chat template (chat_template.jinja wins
+# over tokenizer_config.json's).
+SFT_TOKENIZER=$HF_PATH
+if [[ -n "${SFT_CHAT_TEMPLATE:-}" ]]; then
+    SFT_TOKENIZER=$RUN_DIR/sft_tokenizer
+    mkdir -p "$SFT_TOKENIZER"
+    for file in "$HF_PATH"/*; do
+        name=$(basename "$file")
+        if [[ $name != chat_template.jinja && ! -L "$SFT_TOKENIZER/$name" ]]; then
+            ln -s "$(cd "$(dirname "$file")" && pwd)/$name" "$SFT_TOKENIZER/$name"
+        fi
+    done
+    cp "$SFT_CHAT_TEMPLATE" "$SFT_TOKENIZER/chat_template.jinja"
+fi
+
 # The pretraining checkpoint holds HuggingFaceTokenizer: --sft needs SFTTokenizer, so the
 # tokenizer comes from this command line (--no-use-tokenizer-model-from-checkpoint-args).
 start_from "$SFT_DIR" "$CPT_DIR"
@@ -119,8 +138,8 @@ torchrun --standalone --nproc-per-node "$GPUS_PER_NODE" pretrain_gpt.py \
     --train-iters "${SFT_ITERS:-500}" --lr "${SFT_LR:-5e-6}" --min-lr "${SFT_MIN_LR:-5e-7}" \
     --lr-warmup-iters "${SFT_WARMUP_ITERS:-10}" \
     --sft --data-path "$SFT_JSONL" --no-use-tokenizer-model-from-checkpoint-args \
-    --tokenizer-type SFTTokenizer --tokenizer-model "$HF_PATH" \
-    --sft-tokenizer-prompt-format "${SFT_FORMAT:-default}" \
+    --tokenizer-type SFTTokenizer --tokenizer-model "$SFT_TOKENIZER" \
+    --sft-tokenizer-prompt-format "${SFT_FORMAT:-chat-template}" \
     --save "$SFT_DIR" --save-interval "${SAVE_INTERVAL:-100}" \
     --tensorboard-dir "$RUN_DIR/tensorboard/sft" "$@" 2>&1 | tee -a "$RUN_DIR/sft.log"
 

@@ -16,6 +16,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 import numpy
 import torch
 
+from .chat_template import AssistantMask
 from .datasets import DataError, IndexSummary, check_split, parse_data_path
 
 IGNORE_INDEX = -100  # a target the loss never counts
@@ -42,20 +43,23 @@ def _nemotron_nano_v2(role: str, content: str) -> str:
             }.get(role, "")
 
 
-# format -> (each turn's text, None: the whole conversation's own text, every token in the
-# loss; assistant prefix kept out of the loss; pad token, None: the tokenizer's pad or eos)
+# format -> (each turn's text, None: the whole conversation's own text; assistant prefix kept
+# out of the loss; pad token, None: the tokenizer's pad or eos; whether the loss counts only
+# the assistant turns). chat-template is ours (chat_template.py).
 PROMPT_FORMATS = {
-    "nemotron-h-aligned": (_nemotron_h_aligned, "", NEMOTRON_H_PAD),
-    "nemotron-nano-v2": (_nemotron_nano_v2, "<SPECIAL_11>Assistant\n", NEMOTRON_PAD),
-    "identity": (None, "", NEMOTRON_PAD),
-    "default": (None, "", None),
+    "nemotron-h-aligned": (_nemotron_h_aligned, "", NEMOTRON_H_PAD, True),
+    "nemotron-nano-v2": (_nemotron_nano_v2, "<SPECIAL_11>Assistant\n", NEMOTRON_PAD, True),
+    "identity": (None, "", NEMOTRON_PAD, False),
+    "default": (None, "", None, False),
+    "chat-template": (None, "", None, True),
 }
+CHAT_TEMPLATE_FORMATS = ("default", "chat-template")  # the tokenizer's own chat template
 
 
 def masks_prompts(prompt_format: str) -> bool:
     """Whether the format keeps system, user and tool turns out of the loss (Megatron-LM:
     ``identity`` and ``default`` train on every token)."""
-    return PROMPT_FORMATS[prompt_format][0] is not None
+    return PROMPT_FORMATS[prompt_format][3]
 
 
 class SFTTokenizer:
@@ -81,14 +85,16 @@ class SFTTokenizer:
             raise ValueError(f"--tokenizer-model {model_path!r} is not a HuggingFace tokenizer "
                              f"directory ({type(error).__name__}: {str(error)[:200]})") from None
         self.prompt_format = prompt_format
-        self.render, self.prefix, pad_token = PROMPT_FORMATS[prompt_format]
+        self.render, self.prefix, pad_token, _ = PROMPT_FORMATS[prompt_format]
         self.vocab_size = len(self.tokenizer)
         self.eod = self.eos = self.tokenizer.eos_token_id
         self.pad = self._pad_id(pad_token, model_path)
-        if prompt_format == "default" and not self.tokenizer.chat_template:
+        if prompt_format in CHAT_TEMPLATE_FORMATS and not self.tokenizer.chat_template:
             raise ValueError(f"--tokenizer-model {model_path!r} has no chat template, which "
-                             "--sft-tokenizer-prompt-format default applies; give one with a "
-                             "chat template or another format")
+                             f"--sft-tokenizer-prompt-format {prompt_format} applies; give one "
+                             "with a chat template or another format")
+        self.assistant_mask = (AssistantMask(self.tokenizer, f"--tokenizer-model {model_path!r}")
+                               if prompt_format == "chat-template" else None)
         self.unique_identifiers = {"class": "SFTTokenizer", "tokenizer_path": model_path,
                                    "prompt_format": prompt_format}
 
@@ -120,7 +126,10 @@ class SFTTokenizer:
         """(tokens, targets): targets are the tokens, ``IGNORE_INDEX`` where the format keeps
         them out of the loss (system, user and tool turns, the assistant prefix). A masking
         format encodes each turn alone and concatenates them (the text Megatron-LM encodes at
-        once, which it asserts gives the same tokens)."""
+        once, which it asserts gives the same tokens); ``chat-template``: ``AssistantMask``."""
+        if self.assistant_mask is not None:
+            tokens, in_loss = self.assistant_mask(conversation)
+            return tokens, [t if kept else IGNORE_INDEX for t, kept in zip(tokens, in_loss)]
         if self.render is None:
             text = ("".join(message["content"] for message in conversation)
                     if self.prompt_format == "identity" else

@@ -1,7 +1,9 @@
 """examples/extend_context_qwen3.sh as a user runs it, small: a tiny random Qwen3 (q/k norms,
 head_dim 32 != 64 / 4, a 16-token native context) with the SFT fixture's tokenizer is imported with
-YaRN x4, pretrained on long documents and fine-tuned (--sft) on conversations at 64 tokens by 2
-processes at SP 2 (fp32, without the GPU-only flags), and exported. The export's
+YaRN x4, pretrained on long documents and fine-tuned (--sft, chat-template) on conversations at 64
+tokens by 2 processes at SP 2 (fp32, without the GPU-only flags), and exported. As Qwen3's, the
+tokenizer's chat template renders the last assistant turn differently (chat-template refuses it),
+so the fine-tuning takes SFT_CHAT_TEMPLATE, the same with {% generation %} marks. The export's
 config.json holds the yarn rope_scaling, and transformers' model of it gives the loss of the
 trained checkpoint run by pretrain_gpt.py at SP 2 (before any update) on a 64-token document."""
 
@@ -22,6 +24,13 @@ from test_cli import losses, losses_of
 
 VOCAB = 64  # the model's rows; the tokenizer has len(words()) of them
 SEQ = 64
+# the fixture's template, a last assistant turn ending in <SPECIAL_12>; and with the marks
+TURN = "{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+LAST = "{% if loop.last and message['role'] == 'assistant' %}{{ '<SPECIAL_12>' }}{% endif %}"
+LAST_MARKED = "{% for message in messages %}" + TURN + LAST + "{% endfor %}"
+GENERATION = ("{% for message in messages %}{% if message['role'] == 'assistant' %}"
+              "{% generation %}" + TURN + LAST + "{% endgeneration %}{% else %}" + TURN +
+              "{% endif %}{% endfor %}")
 
 
 def _tiny_qwen3(path):
@@ -30,7 +39,7 @@ def _tiny_qwen3(path):
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6,
         tie_word_embeddings=False, max_position_embeddings=16)
     save_random_model(path, config, transformers.Qwen3ForCausalLM)
-    save_sft_tokenizer(path)
+    save_sft_tokenizer(path, LAST_MARKED)
     return path
 
 
@@ -45,6 +54,7 @@ def _documents(path):
 
 
 def _run_recipe(hf_dir, tmp_path):
+    (tmp_path / "generation.jinja").write_text(GENERATION)
     bin_dir = os.path.dirname(sys.executable)  # python3 and torchrun of this interpreter
     env = dict(os.environ, PATH=bin_dir + os.pathsep + os.environ["PATH"], OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore", HF_PATH=str(hf_dir),
@@ -52,7 +62,8 @@ def _run_recipe(hf_dir, tmp_path):
                RUN_DIR=str(tmp_path / "run"), GPUS_PER_NODE="2", SP="2", ORIGINAL_CONTEXT="16",
                YARN_FACTOR="4", GLOBAL_BATCH="2", TRAIN_ITERS="2", SFT_ITERS="2",
                WARMUP_ITERS="0", SFT_WARMUP_ITERS="0", LR="1e-3", SFT_LR="1e-3", EVAL_ITERS="0",
-               SPLIT="100,0,0", WORKERS="1", GPU_ARGS="")
+               SPLIT="100,0,0", WORKERS="1", GPU_ARGS="",
+               SFT_CHAT_TEMPLATE=str(tmp_path / "generation.jinja"))
     return subprocess.run(["bash", str(REPO_ROOT / "examples" / "extend_context_qwen3.sh"),
                            "--num-workers", "0"], env=env, capture_output=True, text=True,
                           timeout=300)

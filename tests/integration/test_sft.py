@@ -1,7 +1,8 @@
 """--sft under Ulysses: on packed conversations of very different lengths (the fixture through
-`SFTTokenizer` and `pack`), SP 2 gives SP 1's loss and every gradient, and SP 1 on them equals
-each conversation run alone (`test_model`'s harness); changing one conversation's tokens leaves
-every other conversation's per-token loss unchanged at SP 2; and Megatron-LM's SFT command line
+`SFTTokenizer` and `pack`: Nemotron's format, and chat-template on a ChatML-style template), SP 2
+gives SP 1's loss and every gradient, and SP 1 on them equals each conversation run alone
+(`test_model`'s harness); changing one conversation's tokens leaves every other conversation's
+per-token loss unchanged at SP 2; and Megatron-LM's SFT command line
 (examples/post_training/modelopt/train.sh with its Qwen2.5 conf, shrunk) trains at SP 2 with the
 losses of SP 1."""
 
@@ -13,7 +14,7 @@ import torch.distributed as dist
 from distributed import spawn
 from launcher import pretrain
 from megatron_lm_args import CONF_TAIL, TRAIN_SETS
-from sft_data import SFT_JSONL
+from sft_data import CHAT_TEMPLATES, SFT_JSONL, save_sft_tokenizer
 from test_cli import losses
 from test_model import EOD, PAD, _build, _destroy, _forward, _init, _run_case
 
@@ -34,14 +35,19 @@ ROW1 = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "he
          {"role": "assistant", "content": "once there was a cat and a dog"}]]
 
 
-def _sft_sample(tokenizer_dir: str) -> dict:
-    """One micro batch [2, SEQ] of packed conversations, loss on the assistant turns only."""
-    tokenizer = SFTTokenizer(tokenizer_dir, "nemotron-h-aligned")
+def _sft_sample(tokenizer_dir: str, prompt_format: str = "nemotron-h-aligned") -> dict:
+    """One micro batch [2, SEQ] of packed conversations, loss on the assistant turns only.
+    chat-template (on the ChatML-style template, its turns longer): row 1 is ROW1's last
+    conversation (30 tokens, 10 in the loss) and a cut first one."""
+    tokenizer = SFTTokenizer(tokenizer_dir, prompt_format)
     line = json.loads(SFT_JSONL.read_text().splitlines()[0])["messages"]
+    row1 = ROW1 if prompt_format == "nemotron-h-aligned" else [ROW1[2], ROW1[0]]
     rows = [pack(map(tokenizer.tokenize_conversation, conversations), SEQ, tokenizer.pad)
-            for conversations in (split_conversations(line), ROW1)]
+            for conversations in (split_conversations(line), row1)]
     sample = {key: torch.stack([row[key] for row in rows]) for key in rows[0]}
-    assert sample["cu_seqlens"][:, :4].tolist() == [[0, 17, 31, 31], [0, 10, 23, 31]]
+    assert sample["cu_seqlens"][:, :4].tolist() == (
+        [[0, 17, 31, 31], [0, 10, 23, 31]] if prompt_format == "nemotron-h-aligned" else
+        [[0, 20, 31, 31], [0, 30, 31, 31]])
     assert 0 < sample["loss_mask"].sum() < sample["loss_mask"].numel() / 2
     return sample
 
@@ -66,11 +72,13 @@ def _full_per_token(model, sample: dict) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def _sft_cases(rank, world_size, tokenizer_dir):
+def _sft_cases(rank, world_size, tokenizer_dir, chatml_dir):
     cpu_compat.install()
     sample = _sft_sample(tokenizer_dir)
     # SP 2 = SP 1 (loss, every grad; sdpa and local) = each conversation alone at SP 1
     _run_case("sft rope", "rope", False, [sample], [(1, 2)], per_document=True)
+    _run_case("sft chat-template rope", "rope", False, [_sft_sample(chatml_dir, "chat-template")],
+              [(1, 2)], per_document=True)
     # Changing row 0's first conversation changes its loss terms only (row 1 second one: too).
     _init(1, 2)
     try:
@@ -87,8 +95,9 @@ def _sft_cases(rank, world_size, tokenizer_dir):
         _destroy()
 
 
-def test_sp2_equals_sp1_and_conversations_never_attend_across(sft_tokenizer):
-    spawn(_sft_cases, 2, sft_tokenizer)
+def test_sp2_equals_sp1_and_conversations_never_attend_across(sft_tokenizer, tmp_path):
+    chatml = save_sft_tokenizer(tmp_path / "chatml", *CHAT_TEMPLATES["chatml"])
+    spawn(_sft_cases, 2, sft_tokenizer, chatml)
 
 
 QWEN = "examples/post_training/modelopt/conf/Qwen/Qwen2.5-7B-Instruct.sh"

@@ -81,7 +81,10 @@ def add_arguments(parser) -> None:
     g.add_argument("--sft", action="store_true", help="fine-tune on the JSONL conversations "
                    "of --data-path, packed into --seq-length (docs/training.md)")
     g.add_argument("--sft-tokenizer-prompt-format", choices=tuple(PROMPT_FORMATS),
-                   default=DEFAULT_PROMPT_FORMAT, help="SFTTokenizer's prompt format")
+                   default=DEFAULT_PROMPT_FORMAT, help="SFTTokenizer's prompt format; "
+                   "chat-template (ours, named for apply_chat_template, which renders it): "
+                   "the tokenizer's chat template as default, the loss on the assistant turns "
+                   "only (docs/training.md)")
 
 
 def _read_data_args(args) -> None:
