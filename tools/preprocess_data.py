@@ -42,9 +42,8 @@ from _indexed import (  # noqa: E402
     exit_on_sigterm,
     load_tokenizer,
     reports_errors,
-    tokenizer_record,
-    write_sidecar,
 )
+from megatron_ulysses.data.sidecar import tokenizer_record, write_sidecar  # noqa: E402
 
 # Skipped lines listed individually in the final summary; all of them go to stderr as they occur.
 SUMMARY_LIST_LIMIT = 20

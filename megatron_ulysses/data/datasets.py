@@ -9,12 +9,13 @@ import math
 import os
 import re
 import struct
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from ..training.processes import helpers_keep_sigterm_blocked
+from .sidecar import check_made_with
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -372,16 +373,19 @@ def parse_data_path(data_path: List[str], flag: str = "--data-path",
 
 
 def check_data_path(data_path: List[str], split: Optional[str] = None,
-                    flag: str = "--data-path") -> Tuple:
+                    flag: str = "--data-path", made_with: Optional[Dict] = None) -> Tuple:
     """Parse ``--data-path`` words into megatron-core's blend, check every prefix has sound
-    ``.bin/.idx`` files and, with ``split`` (``--split``), that every split with a positive
-    weight gets documents. Raises ``FileNotFoundError`` (missing files) or ``ValueError``
-    (``DataError`` for the files and the split), naming the flag."""
+    ``.bin/.idx`` files, was made with the tokenizer of the record ``made_with`` where its own
+    record says which (``sidecar.check_made_with``) and, with ``split`` (``--split``), that every
+    split with a positive weight gets documents. Raises ``FileNotFoundError`` (missing files) or
+    ``ValueError`` (``DataError`` for the files and the split), naming the flag."""
     blend = parse_data_path(data_path, flag)
     if split is not None:
         parse_split(split)
     for prefix in dict.fromkeys(blend[0]):
         index = check_index(prefix, flag)
+        if made_with is not None:
+            check_made_with(prefix, flag, made_with)
         if split is not None:
             check_split(split, index)
     return blend
