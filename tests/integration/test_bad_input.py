@@ -43,6 +43,10 @@ PARSE = [
     # --data-path: missing files and bad blend weights are found by parse_args
     (without(DATA, "--data-path") + ["--data-path", "{root}/absent"],
      ["--data-path prefixes without .bin/.idx files", "absent"]),
+    # a quoted "$DATA_PATH": the whole blend is one word
+    (without(DATA, "--data-path") + ["--data-path", "0.5 {d100} 0.5 {d854}"],
+     ["--data-path prefixes without .bin/.idx files", "one word holds a whole blend",
+      "as separate words (unquoted)", "d100 0.5 "]),
     (without(DATA, "--data-path") + ["--data-path", "-1", "{d100}", "2", "{d854}"],
      ["--data-path", "blend weights must be positive"]),
     # megatron-core's BlendedDataset asserts every weight > 0 (a raw traceback after init)
