@@ -266,7 +266,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if value < 1:
             parser.error(f"{flag} must be >= 1 (got {value})")
     if args.partitions == 1 and not os.path.isfile(args.input):
-        parser.error(f"--input {args.input!r} is not a file")
+        matches = [path for path in glob.glob(args.input) if os.path.isfile(path)]
+        parser.error(f"--input {args.input!r} is not a file" + (
+            f" (it matches {len(matches)} file{'s' * (len(matches) > 1)}: a glob pattern is read "
+            "with --partitions 2 or more, as in Megatron-LM)" if matches else ""))
     return args
 
 
