@@ -2,11 +2,9 @@
 written under temporary names, the check of ``.idx``/``.bin`` files made before megatron-core
 mmaps them (``check_index`` of megatron_ulysses.data.datasets, which pretrain_gpt.py runs on
 ``--data-path``), and the tokenizer sidecar ``<prefix>.tokenizer.json`` that preprocess_data.py
-writes and merge_datasets.py compares."""
+writes and merge_datasets.py compares (megatron_ulysses.data.sidecar)."""
 
 import functools
-import hashlib
-import json
 import os
 import re
 import signal
@@ -19,11 +17,7 @@ _REPO_ROOT = str(Path(__file__).resolve().parents[1])
 if _REPO_ROOT not in sys.path:  # megatron_ulysses, for a tool run as tools/<name>.py
     sys.path.insert(0, _REPO_ROOT)
 
-# What identifies the tokenizer of a dataset (the model path may differ between copies).
-TOKENIZER_IDENTITY = ("tokenizer_type", "tokenizer_model_sha256", "vocab_size")
-# The files of a HuggingFace tokenizer directory that define it (not config.json nor weights).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt")
+from megatron_ulysses.data import sidecar  # noqa: E402
 
 
 class ToolError(Exception):
@@ -78,7 +72,7 @@ def exit_if_terminated() -> None:
 
 def dataset_files(prefix: str) -> Tuple[str, str, str]:
     """``(bin, idx, tokenizer sidecar)`` paths of a dataset prefix."""
-    return prefix + ".bin", prefix + ".idx", prefix + ".tokenizer.json"
+    return prefix + ".bin", prefix + ".idx", sidecar.sidecar_path(prefix)
 
 
 def _running(pid: int) -> bool:
@@ -169,79 +163,9 @@ def load_tokenizer(args):
                         f"{err}") from None
 
 
-def _file_sha256(path: Path) -> bytes:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.digest()
-
-
-def _sha256(path: str) -> str:
-    """Digest of a file (as ``sha256sum`` prints it), or of the names and digests of the
-    ``TOKENIZER_FILES`` in a directory (a HuggingFace tokenizer)."""
-    root = Path(path)
-    if root.is_file():
-        return _file_sha256(root).hex()
-    digest = hashlib.sha256()
-    for name in TOKENIZER_FILES:
-        if (root / name).is_file():
-            digest.update(name.encode() + b"\0" + _file_sha256(root / name))
-    return digest.hexdigest()
-
-
-def tokenizer_record(args, tokenizer) -> Dict:
-    """What the sidecar says about the tokenizer that made a dataset: its type, files (one
-    path, or GPT2BPETokenizer's vocab and merges joined by " + "), their digest, and the
-    tokenizer options that differ from their defaults (TikTokenizer's pattern, ...)."""
-    from megatron_ulysses.data.tokenizer_flags import (
-        TOKENIZER_OPTIONS, tokenizer_files, tokenizer_options)
-
-    paths = list(tokenizer_files(args).values())
-    digests = [_sha256(path) for path in paths]
-    options = {dest: value for dest, value in tokenizer_options(args).items()
-               if value != TOKENIZER_OPTIONS[dest][0]}
-    return {
-        **({"tokenizer_options": options} if options else {}),
-        "tokenizer_type": args.tokenizer_type,
-        "tokenizer_model": " + ".join(os.path.abspath(p) for p in paths) or None,
-        "tokenizer_model_sha256": (digests[0] if len(digests) == 1 else
-                                   hashlib.sha256("".join(digests).encode()).hexdigest()
-                                   if digests else None),
-        "vocab_size": tokenizer.vocab_size,
-    }
-
-
-def write_sidecar(path: str, record: Dict) -> None:
-    Path(path).write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-
-
 def read_sidecar(prefix: str, flag: str) -> Optional[Dict]:
-    """The tokenizer record of a dataset, ``None`` for a dataset made without one."""
-    path = dataset_files(prefix)[2]
-    if not os.path.exists(path):
-        return None
+    """``read_sidecar`` of megatron_ulysses.data.sidecar, a damaged record a ``ToolError``."""
     try:
-        record = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as err:
-        record, problem = None, f"({type(err).__name__}: {err})"
-    else:
-        problem = f"(needs keys {', '.join(TOKENIZER_IDENTITY)})"
-    if not isinstance(record, dict) or not all(key in record for key in TOKENIZER_IDENTITY):
-        raise ToolError(f"{flag} {prefix!r}: {path} is not a tokenizer record {problem}; delete "
-                        f"it or re-create the dataset with tools/preprocess_data.py")
-    return record
-
-
-def same_tokenizer(first: Dict, second: Dict) -> bool:
-    return all(first[key] == second[key] for key in TOKENIZER_IDENTITY) and \
-        first.get("tokenizer_options", {}) == second.get("tokenizer_options", {})
-
-
-def describe_tokenizer(record: Dict) -> str:
-    model = record.get("tokenizer_model")
-    sha = record["tokenizer_model_sha256"]
-    model_text = f" {model} (sha256 {str(sha)[:12]})" if sha else ""
-    options = "".join(f", --{dest.replace('_', '-')} {value}"
-                      for dest, value in record.get("tokenizer_options", {}).items())
-    return f"{record['tokenizer_type']}{model_text}, vocab size {record['vocab_size']}{options}"
+        return sidecar.read_sidecar(prefix, flag)
+    except ValueError as err:
+        raise ToolError(str(err)) from None

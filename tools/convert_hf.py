@@ -67,9 +67,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What --tokenizer-dir copies, where present.
+# What --tokenizer-dir copies, where present: the files transformers' save_pretrained writes
+# for a tokenizer (its chat template is chat_template.jinja / .json), and generation_config.json.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+                   "added_tokens.json", "tokenizer.model", "vocab.json", "merges.txt",
+                   "vocab.txt", "chat_template.jinja", "chat_template.json",
+                   "generation_config.json")
 
 
 # --- input --------------------------------------------------------------------------------------

@@ -14,11 +14,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _indexed import (  # noqa: E402
     ToolError,
     check_dataset,
-    describe_tokenizer,
     load_tokenizer,
     read_sidecar,
     reports_errors,
 )
+from megatron_ulysses.data.sidecar import describe_tokenizer  # noqa: E402
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:

@@ -18,10 +18,12 @@ from _indexed import (  # noqa: E402
     ToolError,
     check_dataset,
     dataset_files,
-    describe_tokenizer,
     exit_on_sigterm,
     read_sidecar,
     reports_errors,
+)
+from megatron_ulysses.data.sidecar import (  # noqa: E402
+    describe_tokenizer,
     same_tokenizer,
     write_sidecar,
 )

@@ -7,7 +7,8 @@ the loss panel.
 
     python tools/plot_run.py runs/sp8.log runs/sp4/tensorboard --labels sp8 sp4 --output run.png
 
-Exit codes: 0 written; 1 an input holds no training data; 2 bad arguments or a missing input.
+Exit codes: 0 written; 1 an input holds no training data; 2 bad arguments, a missing input or
+an --output that cannot be written.
 """
 
 import argparse
@@ -230,7 +231,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog="Exit codes: 0 written; 1 an input holds no training data; "
-               "2 bad arguments or a missing input.")
+               "2 bad arguments, a missing input or an --output that cannot be written.")
     parser.add_argument("inputs", nargs="+", metavar="INPUT",
                         help="pretrain_gpt.py log file, or TensorBoard dir / event file")
     parser.add_argument("--labels", nargs="+", default=None,
@@ -243,6 +244,23 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def output_error(output: str) -> Optional[str]:
+    """Why the figure cannot go to ``output`` by its name (matplotlib picks the format from the
+    suffix and appends ``.png`` to a name without one), or None."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    path = Path(output)
+    if path.is_dir():
+        return f"--output {output!r} is a directory; give a file name, e.g. {path / 'run.png'}"
+    formats = sorted(FigureCanvasBase.get_supported_filetypes())
+    if not path.suffix:
+        return f"--output {output!r} has no image suffix; give e.g. {output}.png"
+    if path.suffix[1:].lower() not in formats:
+        return (f"--output {output!r}: {path.suffix!r} is not an image format matplotlib writes "
+                f"(give one of {', '.join('.' + name for name in formats)})")
+    return None
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = get_args(argv)
     prog = Path(sys.argv[0]).name if argv is None else "plot_run.py"
@@ -251,13 +269,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         for path in missing:
             print(f"{prog}: error: no such file or directory: {path}", file=sys.stderr)
         return 2
+    bad_output = output_error(args.output)
+    if bad_output:
+        print(f"{prog}: error: {bad_output}", file=sys.stderr)
+        return 2
     try:
         runs = [load_run(path) for path in args.inputs]
     except InputError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
     labels = args.labels or default_labels(args.inputs)
-    plot(runs, labels, args.output, args.title)
+    try:
+        plot(runs, labels, args.output, args.title)
+    except OSError as error:
+        print(f"{prog}: error: --output {args.output!r} cannot be written "
+              f"({error.strerror or error}); give a writable --output", file=sys.stderr)
+        return 2
     print(f"wrote {args.output}")
     return 0
 

@@ -42,9 +42,8 @@ from _indexed import (  # noqa: E402
     exit_on_sigterm,
     load_tokenizer,
     reports_errors,
-    tokenizer_record,
-    write_sidecar,
 )
+from megatron_ulysses.data.sidecar import tokenizer_record, write_sidecar  # noqa: E402
 
 # Skipped lines listed individually in the final summary; all of them go to stderr as they occur.
 SUMMARY_LIST_LIMIT = 20
@@ -267,7 +266,10 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         if value < 1:
             parser.error(f"{flag} must be >= 1 (got {value})")
     if args.partitions == 1 and not os.path.isfile(args.input):
-        parser.error(f"--input {args.input!r} is not a file")
+        matches = [path for path in glob.glob(args.input) if os.path.isfile(path)]
+        parser.error(f"--input {args.input!r} is not a file" + (
+            f" (it matches {len(matches)} file{'s' * (len(matches) > 1)}: a glob pattern is read "
+            "with --partitions 2 or more, as in Megatron-LM)" if matches else ""))
     return args
 
 

@@ -9,12 +9,13 @@ import math
 import os
 import re
 import struct
-from typing import Any, Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy
 import torch
 
 from ..training.processes import helpers_keep_signals_blocked
+from .sidecar import check_made_with
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -363,25 +364,47 @@ def parse_data_path(data_path: List[str], flag: str = "--data-path",
         return blend
     missing = [prefix for prefix in blend[0] if not IndexedDataset.exists(prefix)]
     if missing:
-        stems = [prefix[:-4] for prefix in missing if prefix.endswith((".bin", ".idx"))
-                 and IndexedDataset.exists(prefix[:-4])]
-        fix = (f"give each prefix without its extension: {stems}" if stems else
-               "build them with tools/preprocess_data.py --output-prefix")
-        raise FileNotFoundError(f"{flag} prefixes without .bin/.idx files: {missing} ({fix})")
+        raise FileNotFoundError(f"{flag} prefixes without .bin/.idx files: {missing} "
+                                f"({_missing_fix(data_path, missing, flag)})")
     return blend
 
 
+def _missing_fix(data_path: List[str], missing: List[str], flag: str) -> str:
+    """What to do about ``missing`` prefixes: drop an extension, split a quoted blend
+    (``--data-path "$DATA_PATH"`` passes ``"0.5 a 0.5 b"`` as one word), or build them."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+    from megatron.core.datasets.utils import get_blend_from_list
+
+    stems = [prefix[:-4] for prefix in missing if prefix.endswith((".bin", ".idx"))
+             and IndexedDataset.exists(prefix[:-4])]
+    if stems:
+        return f"give each prefix without its extension: {stems}"
+    words = [word for argument in data_path for word in argument.split()]
+    if len(words) > len(data_path):
+        try:
+            blend = get_blend_from_list(words)
+        except (AssertionError, ValueError):
+            blend = None
+        if blend and blend[0] and all(IndexedDataset.exists(prefix) for prefix in blend[0]):
+            return (f"one word holds a whole blend: give its weights and prefixes as separate "
+                    f"words (unquoted), {flag} {' '.join(words)}")
+    return "build them with tools/preprocess_data.py --output-prefix"
+
+
 def check_data_path(data_path: List[str], split: Optional[str] = None,
-                    flag: str = "--data-path") -> Tuple:
+                    flag: str = "--data-path", made_with: Optional[Dict] = None) -> Tuple:
     """Parse ``--data-path`` words into megatron-core's blend, check every prefix has sound
-    ``.bin/.idx`` files and, with ``split`` (``--split``), that every split with a positive
-    weight gets documents. Raises ``FileNotFoundError`` (missing files) or ``ValueError``
-    (``DataError`` for the files and the split), naming the flag."""
+    ``.bin/.idx`` files, was made with the tokenizer of the record ``made_with`` where its own
+    record says which (``sidecar.check_made_with``) and, with ``split`` (``--split``), that every
+    split with a positive weight gets documents. Raises ``FileNotFoundError`` (missing files) or
+    ``ValueError`` (``DataError`` for the files and the split), naming the flag."""
     blend = parse_data_path(data_path, flag)
     if split is not None:
         parse_split(split)
     for prefix in dict.fromkeys(blend[0]):
         index = check_index(prefix, flag)
+        if made_with is not None:
+            check_made_with(prefix, flag, made_with)
         if split is not None:
             check_split(split, index)
     return blend

@@ -60,16 +60,19 @@ def _add_option_arguments(group) -> None:
                        default=default["tiktoken_num_special_tokens"],
                        help="TikTokenizer: ids below this are special tokens (filled with "
                        "<SPECIAL_i>); the vocabulary's ranks start here")
-    for flag, dest, action in (
-            ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", "store_false"),
-            ("--tokenizer-hf-use-fast", "tokenizer_hf_use_fast", "store_true"),
+    for flag, dest, value, meaning in (
+            ("--tokenizer-hf-no-use-fast", "tokenizer_hf_use_fast", False,
+             "the slow (Python) tokenizer"),
+            ("--tokenizer-hf-use-fast", "tokenizer_hf_use_fast", True,
+             "the fast (Rust) tokenizer"),
             ("--tokenizer-hf-include-special-tokens", "tokenizer_hf_include_special_tokens",
-             "store_true"),
+             True, "add the special tokens (BOS, EOS) when encoding"),
             ("--tokenizer-hf-no-include-special-tokens", "tokenizer_hf_include_special_tokens",
-             "store_false")):
-        group.add_argument(flag, dest=dest, action=action, default=default[dest],
-                           help=f"HuggingFaceTokenizer (default: {flag.split('-hf-')[1]} "
-                           f"{'on' if default[dest] else 'off'})")
+             False, "add no special tokens when encoding")):
+        group.add_argument(flag, dest=dest, action="store_true" if value else "store_false",
+                           default=default[dest],
+                           help=f"HuggingFaceTokenizer: {meaning}"
+                           + (" (the default)" if value == default[dest] else ""))
     group.add_argument("--trust-remote-code", action="store_true",
                        help="HuggingFaceTokenizer: run the tokenizer directory's own code")
     group.add_argument("--null-tokenizer-eod-id", type=int, default=None,

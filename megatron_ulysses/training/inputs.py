@@ -6,6 +6,7 @@ import functools
 from ..data.batches import Batches
 from ..data.datasets import SPLIT_NAMES, build_train_valid_test_datasets, check_data_path
 from ..data.sft import check_sft_data_path
+from ..data.sidecar import tokenizer_record
 from ..data.tokenizers import build_tokenizer_from, check_for_training
 from ..errors import ConfigError
 from .batch_schedule import samples_after
@@ -14,7 +15,8 @@ from .config import RunConfig
 
 def check_inputs(config: RunConfig):
     """Before any process group: a tokenizer file that does not load or has no EOD, damaged
-    .idx/.bin files (--sft: bad JSONL lines), and a --split that gives a split no documents
+    .idx/.bin files (--sft: bad JSONL lines), data whose tokenizer record names another
+    tokenizer, and a --split that gives a split no documents
     (which megatron-core would try to fill forever). The only full read of the .idx files (and
     of --sft's JSONL files). Returns the tokenizer."""
     data = config.data
@@ -23,7 +25,8 @@ def check_inputs(config: RunConfig):
         check_for_training(tokenizer, data.tokenizer_type, data.tokenizer_model)
         check = (functools.partial(check_sft_data_path,
                                    prompt_format=data.sft_tokenizer_prompt_format)
-                 if data.sft else check_data_path)
+                 if data.sft else functools.partial(
+                     check_data_path, made_with=tokenizer_record(data, tokenizer)))
         if data.data_path:
             check(list(data.data_path), split=data.split)
         for name, words in zip(SPLIT_NAMES, data.data_path_per_split or ()):

@@ -43,6 +43,10 @@ PARSE = [
     # --data-path: missing files and bad blend weights are found by parse_args
     (without(DATA, "--data-path") + ["--data-path", "{root}/absent"],
      ["--data-path prefixes without .bin/.idx files", "absent"]),
+    # a quoted "$DATA_PATH": the whole blend is one word
+    (without(DATA, "--data-path") + ["--data-path", "0.5 {d100} 0.5 {d854}"],
+     ["--data-path prefixes without .bin/.idx files", "one word holds a whole blend",
+      "as separate words (unquoted)", "d100 0.5 "]),
     (without(DATA, "--data-path") + ["--data-path", "-1", "{d100}", "2", "{d854}"],
      ["--data-path", "blend weights must be positive"]),
     # megatron-core's BlendedDataset asserts every weight > 0 (a raw traceback after init)
@@ -386,6 +390,46 @@ def test_token_ids_outside_the_vocabulary_end_the_run_with_one_message(files, tm
     assert_one_message(result, ["token id", "vocabulary of 51 ids", "--tokenizer-model",
                                 "--vocab-size", f"(--data-path {files['d100']})"])
     assert re.search(r"token id (9\d)", result.stderr)
+
+
+def test_data_made_with_another_tokenizer_of_the_same_vocabulary_is_refused(sp_model,
+                                                                          corpus_prefix,
+                                                                          tmp_path):
+    """Its ids are all inside the vocabulary, so only the dataset's tokenizer record (written by
+    tools/preprocess_data.py) tells that they stand for other text."""
+    import shutil
+
+    import train_tokenizer
+    from conftest import CORPUS, TINY_VOCAB
+
+    from megatron_ulysses.training.inputs import check_inputs
+
+    lines = CORPUS.read_text(encoding="utf-8").splitlines()
+    (tmp_path / "half.jsonl").write_text("\n".join(lines[::2]) + "\n", encoding="utf-8")
+    assert train_tokenizer.main(["--input", str(tmp_path / "half.jsonl"), "--output-prefix",
+                                 str(tmp_path / "other"), "--vocab-size", str(TINY_VOCAB)]) == 0
+    shutil.copyfile(sp_model, tmp_path / "copy.model")
+    for suffix in (".bin", ".idx"):
+        shutil.copyfile(corpus_prefix + suffix, str(tmp_path / "bare") + suffix)
+
+    def check(model, prefix=corpus_prefix):
+        check_inputs(parse_args([*MODEL, *RUN, "--data-path", prefix, "--split", "1",
+                                 "--tokenizer-type", "GPTSentencePieceTokenizer",
+                                 "--tokenizer-model", str(model)], world_size=1))
+
+    check(sp_model)
+    check(tmp_path / "copy.model")  # the same model elsewhere
+    check(tmp_path / "other.model", str(tmp_path / "bare"))  # no record: nothing to compare
+    with pytest.raises(ConfigError) as error:
+        check(tmp_path / "other.model")
+    message = str(error.value)
+    assert "\n" not in message, message
+    for words in [f"--data-path {corpus_prefix!r} was tokenized with GPTSentencePieceTokenizer "
+                  f"{sp_model}", f"this run's tokenizer is GPTSentencePieceTokenizer "
+                  f"{tmp_path / 'other.model'}", f"vocab size {TINY_VOCAB}",
+                  "--tokenizer-model", "tools/preprocess_data.py",
+                  f"delete {corpus_prefix}.tokenizer.json"]:
+        assert words in message, (words, message)
 
 
 @pytest.mark.parametrize("seq, sp, mbs, fused", [

@@ -392,3 +392,23 @@ def test_qwen3_with_yarn_imports_trains_at_4x_its_context_resumes_and_exports(tm
     assert result.returncode == 0, result.stderr[-3000:]
     assert json.loads((exported / "config.json").read_text()) == \
         json.loads((hf_dir / "config.json").read_text())
+
+
+def test_tokenizer_dir_copies_every_file_transformers_saves(tmp_path):
+    # transformers writes a chat template to chat_template.jinja and a slow tokenizer's added
+    # tokens to added_tokens.json: an export without them loses the template or the tokens.
+    import convert_hf
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({"<unk>": 0, "a": 1, "b": 2}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>",
+                                        eos_token="<unk>")
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    tokenizer.save_pretrained(tmp_path / "tok")
+    (tmp_path / "tok" / "added_tokens.json").write_text('{"<extra>": 3}')
+    saved = sorted(os.listdir(tmp_path / "tok"))
+    assert "chat_template.jinja" in saved
+    assert sorted(convert_hf._tokenizer_files(str(tmp_path / "tok"))) == saved

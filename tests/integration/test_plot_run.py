@@ -159,3 +159,32 @@ def test_labels_count_must_match_inputs(tmp_path):
     with pytest.raises(SystemExit) as exc:
         plot_run.main([str(log), "--labels", "one", "two"])
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize("output, words", [
+    pytest.param("x.xyz", ["--output", "x.xyz", "'.xyz' is not an image format matplotlib writes",
+                           ".png"], id="unknown-suffix"),
+    pytest.param("plot", ["--output", "'plot' has no image suffix", "plot.png"], id="no-suffix"),
+    pytest.param("adir", ["--output", "'adir' is a directory", "adir/run.png"], id="a-directory"),
+    pytest.param("a.log/x.png", ["--output", "a.log/x.png", "cannot be written",
+                                 "a writable --output"], id="under-a-file"),
+])
+def test_an_unwritable_output_is_one_message_and_writes_nothing(tmp_path, monkeypatch, capsys,
+                                                                output, words):
+    monkeypatch.chdir(tmp_path)
+    write_log(tmp_path / "a.log")
+    (tmp_path / "adir").mkdir()
+    before = sorted(path.name for path in tmp_path.iterdir())
+    try:
+        code = plot_run.main(["a.log", "--output", output])
+    except SystemExit as err:
+        code = err.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1, err
+    for word in words:
+        assert word in lines[0], (word, lines[0])
+    assert sorted(path.name for path in tmp_path.iterdir()) == before
+    assert not any((tmp_path / "adir").iterdir())

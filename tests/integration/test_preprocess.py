@@ -315,3 +315,17 @@ def test_inspect_prints_stats_and_decodes(tmp_path, sp_model, capsys):
     assert f"tokens:    {sum(lengths)}" in out
     assert f"max {max(lengths)}" in out
     assert f"text: {TEXTS[1]}" in out
+
+
+def test_a_glob_input_names_the_partitions_it_needs(tmp_path, sp_model, capsys):
+    for name in ("a.jsonl", "b.jsonl"):
+        (tmp_path / name).write_text('{"text": "one line"}\n')
+    with pytest.raises(SystemExit) as exit_:
+        preprocess_data.main(["--input", str(tmp_path / "*.jsonl"), "--output-prefix",
+                              str(tmp_path / "out"), "--tokenizer-type",
+                              "GPTSentencePieceTokenizer", "--tokenizer-model", sp_model])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--input '{tmp_path / '*.jsonl'}' is not a file (it matches 2 files: a glob pattern " \
+           "is read with --partitions 2 or more, as in Megatron-LM)" in err, err
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "b.jsonl"]

@@ -43,6 +43,21 @@ def test_flags_spell_megatron_lm_and_default_to_its_values():
     assert (args.tokenizer_hf_use_fast, args.tokenizer_hf_include_special_tokens) == (True, False)
 
 
+def test_the_help_of_each_on_off_pair_says_which_is_the_default():
+    parser = argparse.ArgumentParser()
+    add_tokenizer_arguments(parser)
+    helps = {action.option_strings[0]: action.help for action in parser._actions
+             if action.option_strings}
+    assert helps["--tokenizer-hf-use-fast"] == (
+        "HuggingFaceTokenizer: the fast (Rust) tokenizer (the default)")
+    assert helps["--tokenizer-hf-no-use-fast"] == (
+        "HuggingFaceTokenizer: the slow (Python) tokenizer")
+    assert helps["--tokenizer-hf-include-special-tokens"] == (
+        "HuggingFaceTokenizer: add the special tokens (BOS, EOS) when encoding")
+    assert helps["--tokenizer-hf-no-include-special-tokens"] == (
+        "HuggingFaceTokenizer: add no special tokens when encoding (the default)")
+
+
 @pytest.mark.parametrize("argv, named", [
     (["--tiktoken-num-special-tokens", "5"], "--tiktoken-num-special-tokens"),
     (["--tokenizer-hf-no-use-fast"], "--tokenizer-hf-no-use-fast"),
