@@ -62,7 +62,9 @@ def megatron_lm_args(**overrides) -> argparse.Namespace:
     values = dict(
         SHAPE, group_query_attention=True, position_embedding_type="rope", rotary_base=10000,
         rotary_percent=1.0, use_rope_scaling=False, rope_scaling_factor=8.0,
-        rotary_seq_len_interpolation_factor=None, normalization="RMSNorm", norm_epsilon=1e-5,
+        rotary_seq_len_interpolation_factor=None, rotary_scaling_factor=1.0, mscale=1.0,
+        mscale_all_dim=0.0, yarn_original_max_position_embeddings=None, yarn_beta_fast=None,
+        yarn_beta_slow=None, yarn_correction_range_round_to_int=None, normalization="RMSNorm", norm_epsilon=1e-5,
         swiglu=True, untie_embeddings_and_output_weights=False, add_bias_linear=False,
         add_qkv_bias=False, qk_layernorm=False, apply_layernorm_1p=False, squared_relu=False,
         rotary_interleaved=False, num_experts=None, attention_dropout=0.0, hidden_dropout=0.0,
