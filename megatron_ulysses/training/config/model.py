@@ -294,12 +294,12 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
     given = ""
     if args.attention_backend != "auto":
         ours = "local" if args.attention_backend == "local" else "te"
+        given = (f"--attention-backend {args.attention_backend} runs "
+                 f"--ulysses-attention-backend {ours}")
         require(args.ulysses_attention_backend in ("auto", ours),
-                f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
-                f"{ours}, not {args.ulysses_attention_backend}; drop one of the two")
+                f"{given}, not {args.ulysses_attention_backend}; drop one of the two")
         args.ulysses_attention_backend = ours
-        given = (f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
-                 f"{ours} here (drop it to get the default): ")
+        given += " here (drop it to get the default): "
     try:  # te without Transformer Engine or CUDA fails here, not when the model is built
         if args.ulysses_attention_backend != "auto":
             resolve_backend(args.ulysses_attention_backend)
