@@ -3,7 +3,6 @@
 `OptimizerParamScheduler`. The benchmarks build through these too.
 """
 
-import importlib.util
 import warnings
 
 import torch
@@ -31,6 +30,7 @@ from ..sp.rope import YARN_CONFIG, set_yarn_config
 from .chunks import model_chunks
 from .config import ModelConfig, OptimizerConfig, PerformanceConfig, RunConfig
 from .config import grad_buckets
+from .config.fusions import gradient_accumulation_fusion
 from .config.performance import ddp_kwargs, transformer_kwargs
 from .fsdp import UlyssesTorchFSDP2
 from .optimizer import build_optimizer
@@ -118,11 +118,7 @@ def _fusion_kwargs(model: ModelConfig, cuda: bool) -> dict:
         # global positions, as the unfused one does.
         apply_rope_fusion=cuda and not model.no_rope_fusion
         and model.position_embedding_type == "rope" and te_available(),
-        # Fused into main_grad: TE's linear layers do it themselves, megatron-core's (the output
-        # layer; every layer of the local spec) need apex's kernel; without it off, as
-        # Megatron-LM turns it off.
-        gradient_accumulation_fusion=cuda and not model.no_gradient_accumulation_fusion
-        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None,
+        gradient_accumulation_fusion=gradient_accumulation_fusion(model, cuda),
         cross_entropy_loss_fusion=model.cross_entropy_loss_fusion,
         cross_entropy_fusion_impl=model.cross_entropy_fusion_impl,
     )

@@ -64,3 +64,30 @@ def test_given_and_options_of_a_feature():
     assert fields.given(args, Section, ["fused", "on"]) == ["--no-fused", "--on"]
     assert fields.off_without(Section, "--kind b") == (("--on", "on", False),
                                                       ("--no-fused", "fused", True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Aliased:
+    width: int = flag(None, required=True)
+    style: str = flag("plain", choices=("plain", "rope"))
+    old_style: ClassVar[str] = flag(None, action="store_const", const="rope", dest="style",
+                                    kept=False)
+
+
+def _parse_aliased(argv, required=True):
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(parser, Aliased, "aliased", required=required)
+    return parser.parse_args(argv)
+
+
+def test_a_dest_alias_sets_the_other_field_and_the_last_given_wins():
+    assert _parse_aliased(["--width", "1"]).style == "plain"
+    assert _parse_aliased(["--width", "1", "--old-style"]).style == "rope"
+    assert _parse_aliased(["--width", "1", "--old-style", "--style", "plain"]).style == "plain"
+    assert not hasattr(_parse_aliased(["--width", "1"]), "old_style")
+
+
+def test_required_false_makes_no_flag_required():
+    with pytest.raises(SystemExit):
+        _parse_aliased([])
+    assert _parse_aliased([], required=False).width is None

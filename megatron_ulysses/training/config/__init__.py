@@ -3,14 +3,14 @@
     argv --parse--> argparse.Namespace --validate_args--> RunConfig (frozen) --> builders
 
 One module per section holds its dataclass, its flags (declared once on the dataclass's fields
-with `fields.flag`, except in `model`, `data` and `logging` so far; `add_arguments` makes its
-argparse group) and its own rules (`check_values`: each flag alone; `validate`: the section's
-rules and derived defaults): `parallel` (-> `ParallelDims`), `model` (with its `memory` and
-`fusions` parts), `optimizer`, `data`, `training`, `checkpoint`, `logging`, `performance` (GPU
-speed features, with `grad_buckets`). Megatron-LM compatibility is fenced off in `megatron_lm/`:
-`compat` (its flags accepted with no effect here) and `refused` (its flags and values refused,
-each with why and what to use). The rules between sections live in `rules`; `checks` has the
-shared checks. `training/arguments.py` runs them in order.
+with `fields.flag`; `add_arguments` makes its argparse group) and its own rules (`check_values`:
+each flag alone; `validate`: the section's rules and derived defaults): `parallel` (->
+`ParallelDims`), `model` (with its `memory` and `fusions` parts), `optimizer`, `data`,
+`training`, `checkpoint`, `logging`, `performance` (GPU speed features, with `grad_buckets`).
+Megatron-LM compatibility is fenced off in `megatron_lm/`: `compat` (its flags accepted with no
+effect here) and `refused` (its flags and values refused, each with why and what to use). The
+rules between sections live in `rules`; `checks` has the shared checks. `training/arguments.py`
+runs them in order.
 
 Every field is named as Megatron-LM's argument (`hidden_size` is `--hidden-size`; `flag_name`
 gives the flag back for messages). Each builder takes the section it needs. `padded_vocab_size`

@@ -31,8 +31,7 @@ class CheckpointConfig:
                                                      "--persistent-save-interval"))
     no_load_optim: bool = flag(False)
     ckpt_fully_parallel_save: bool = flag(
-        True, "spread the writing of tensors replicated over DP x SP across their replicas "
-        "(Megatron-LM's default; --no-ckpt-fully-parallel-save: the first replica writes each)",
+        True, "spread the writing of replicated tensors over their DP x SP replicas",
         action=argparse.BooleanOptionalAction)
     no_load_rng: bool = flag(False)
     finetune: bool = flag(
@@ -40,39 +39,31 @@ class CheckpointConfig:
         needs="--load")
     # --use-checkpoint-args and what it takes from the checkpoint
     use_checkpoint_args: ClassVar[bool] = flag(
-        False, "with --load: take the model's shape flags (--num-layers, --hidden-size, heads, "
-        "RoPE, norms, TP/PP, the vocab padding, ...) from the checkpoint where the command line "
-        "does not give them, and its tokenizer (--tokenizer-type, --tokenizer-model) over the "
-        "command line's", kept=False)
+        False, "with --load: the model's shape flags not given and the tokenizer from the "
+        "checkpoint", kept=False)
     use_mp_args_from_checkpoint_args: ClassVar[bool] = flag(
         False, "with --use-checkpoint-args: TP and PP from the checkpoint even where the "
         "command line gives them", needs=_FROM_CHECKPOINT, kept=False)
     use_tokenizer_model_from_checkpoint_args: ClassVar[bool] = flag(
-        True, "with --use-checkpoint-args: the tokenizer from the command line, not the "
-        "checkpoint's --tokenizer-type and --tokenizer-model (which --use-checkpoint-args takes "
-        "over the command line's, as in Megatron-LM)", needs=_FROM_CHECKPOINT, kept=False,
+        True, "with --use-checkpoint-args: the tokenizer from the command line",
+        needs=_FROM_CHECKPOINT, kept=False,
         names=("--no-use-tokenizer-model-from-checkpoint-args",
                "--disable-use-tokenizer-model-from-checkpoint-args"))
     ckpt_format: ClassVar[str] = flag(
-        "torch_dist", "checkpoints are megatron-core dist_checkpointing (torch_dist); torch and "
-        "torch_dcp write torch_dist too (Megatron-LM loads it), with a warning",
+        "torch_dist", "torch_dist (torch and torch_dcp write it too, with a warning)",
         choices=CKPT_FORMATS, kept=False)
     ckpt_fully_parallel_load: bool = flag(
-        False, "each DP x SP replica reads a slice of the replicated tensors and they exchange "
-        "them (megatron-core's FullyParallelLoadStrategyWrapper)")
+        False, "DP x SP replicas each read a slice of the replicated tensors and exchange them")
     ckpt_assume_constant_structure: bool = flag(
-        False, "cache the save plan and its distribution across saves (the state's structure "
-        "never changes within a run)")
+        False, "cache the save plan across saves")
     dist_ckpt_strictness: str = flag(
-        "assume_ok_unexpected", "keys of the checkpoint this run does not load: log_all logs "
-        "them, raise_all refuses the load; keys this run needs and the checkpoint lacks are "
-        "always refused (megatron-core's StrictHandling)", choices=STRICTNESS)
+        "assume_ok_unexpected", "what a load does with the checkpoint's keys it does not load",
+        choices=STRICTNESS)
     dist_ckpt_optim_fully_reshardable: ClassVar[bool] = flag(
         False, "the optimizer state is always saved in the fully_reshardable layout",
         kept=False)
     save_retain_interval: Optional[int] = flag(
-        None, "after each save, delete the previous checkpoint unless its iteration is a "
-        "multiple of this (a multiple of --save-interval)")
+        None, "keep only the checkpoints at multiples of this (and the latest)")
     non_persistent_save_interval: ClassVar[Optional[int]] = flag(
         None, "not supported: non-persistent (local / global) checkpoints", kept=False)
     no_save_optim: bool = flag(
@@ -83,18 +74,15 @@ class CheckpointConfig:
         needs="--load", kept=False)
     # --async-save and Megatron-LM's options of its writer
     async_save: bool = flag(
-        False, "write checkpoints in the background (with --use-persistent-ckpt-worker, as "
-        "Megatron-LM requires); the tracker moves when the write is complete")
+        False, "write checkpoints in the background (with --use-persistent-ckpt-worker)")
     use_persistent_ckpt_worker: ClassVar[bool] = flag(False, kept=False)
     async_strategy: str = flag(
         "nvrx", "async saves always use megatron-core's queue (mcore); nvrx says so",
         choices=("nvrx", "mcore"))
     async_ckpt_use_cpu_shm: bool = flag(
-        False, "nvidia-resiliency-ext's CPU shared-memory staging: not used (a warning says "
-        "so); megatron-core's queue stages in process memory")
+        False, "nvidia-resiliency-ext's CPU shared-memory staging: not used (a warning)")
     verify_integrity: bool = flag(
-        False, "SHA-256 of every checkpoint file on save, checked on load (megatron-core >= "
-        "0.19)")
+        False, "SHA-256 of every checkpoint file, checked on load (megatron-core >= 0.19)")
     log_progress: bool = False  # progress.txt also records deleted checkpoints
 
 

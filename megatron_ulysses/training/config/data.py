@@ -2,39 +2,61 @@
 
 import json
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import ClassVar, Optional, Tuple
 
 from ...data.datasets import SPLIT_NAMES, parse_data_path, parse_split, unquote
 from ...data.sft import DEFAULT_PROMPT_FORMAT, PROMPT_FORMATS
 from ...data.tokenizer_flags import add_tokenizer_arguments, check_tokenizer_flags
 from ...errors import ConfigError
 from .checks import Context, check_output_dir, check_range, ignore_without, require
+from .fields import add_flags, flag, off_without
+
+
+
+def _split_path(name: str):
+    return flag(None, f"the {name} split's own data (as --data-path), instead of --data-path "
+                "and --split", nargs="*")
 
 
 @dataclass(frozen=True)
 class DataConfig:
     """Data sets, tokenizer and the sequence-sharded loader."""
 
-    data_path: Optional[Tuple[str, ...]]
-    train_data_path: Optional[Tuple[str, ...]]
-    valid_data_path: Optional[Tuple[str, ...]]
-    test_data_path: Optional[Tuple[str, ...]]
-    split: str
-    no_mmap_bin_files: bool
-    mock_data: bool
-    data_cache_path: Optional[str]
-    num_workers: int
+    data_path: Optional[Tuple[str, ...]] = flag(
+        None, "prefix, or weight prefix weight prefix ... for a blend", nargs="*")
+    train_data_path: Optional[Tuple[str, ...]] = _split_path("train")
+    valid_data_path: Optional[Tuple[str, ...]] = _split_path("valid")
+    test_data_path: Optional[Tuple[str, ...]] = _split_path("test")
+    data_args_path: ClassVar[Optional[str]] = flag(
+        None, "a file holding --data-path's words (prefixes and blend weights)", kept=False)
+    per_split_data_args_path: ClassVar[Optional[str]] = flag(
+        None, "a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} of "
+        "--train/valid/test-data-path's words", kept=False)
+    split: str = flag(
+        "969,30,1", "train,valid,test weights of --data-path's documents (one pair of "
+        "surrounding quotes is ignored, as Megatron-LM reads only the digits)")
+    no_mmap_bin_files: bool = flag(
+        False, "read the .bin files with file reads instead of mmap")
+    mock_data: bool = flag(False)
+    data_cache_path: Optional[str] = flag(None)
+    num_workers: int = flag(2)
+    reset_position_ids: bool = flag(False)
+    reset_attention_mask: bool = flag(False)
+    eod_mask_loss: bool = flag(False)
+    sft: bool = flag(False, "fine-tune on the JSONL conversations of --data-path, packed into "
+                     "--seq-length (docs/training.md)")
+    sft_tokenizer_prompt_format: str = flag(
+        DEFAULT_PROMPT_FORMAT, "SFTTokenizer's prompt format; chat-template (ours): the "
+        "tokenizer's chat template, the loss on the assistant turns only",
+        choices=tuple(PROMPT_FORMATS),
+        needs="--tokenizer-type SFTTokenizer")
+    # The tokenizer flags (data/tokenizer_flags.py, shared with the tools); build_tokenizer_from
+    # reads the TOKENIZER_OPTIONS by name.
     tokenizer_type: str
     tokenizer_model: Optional[str]
     vocab_size: Optional[int]
     vocab_file: Optional[str]
     merge_file: Optional[str]
-    reset_position_ids: bool
-    reset_attention_mask: bool
-    eod_mask_loss: bool
-    sft: bool
-    sft_tokenizer_prompt_format: str
-    # The TOKENIZER_OPTIONS (data/tokenizer_flags.py): build_tokenizer_from reads them by name.
     vocab_extra_ids: int
     tokenizer_special_tokens: Optional[Tuple[str, ...]]
     tiktoken_pattern: Optional[str]
@@ -53,55 +75,26 @@ class DataConfig:
 
 
 def add_arguments(parser) -> None:
-    g = parser.add_argument_group("data")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="prefix, or weight prefix weight prefix ... for a blend")
-    for name in SPLIT_NAMES:
-        g.add_argument(f"--{name}-data-path", nargs="*", default=None,
-                       help=f"the {name} split's own data (as --data-path), instead of "
-                       "--data-path and --split")
-    g.add_argument("--data-args-path", default=None,
-                   help="a file holding --data-path's words (prefixes and blend weights)")
-    g.add_argument("--per-split-data-args-path", default=None,
-                   help="a JSON file {\"train\": ..., \"valid\": ..., \"test\": ...} of "
-                   "--train/valid/test-data-path's words")
-    g.add_argument("--split", type=str, default="969,30,1",
-                   help="train,valid,test weights of --data-path's documents (one pair of "
-                   "surrounding quotes is ignored, as Megatron-LM reads only the digits)")
-    g.add_argument("--no-mmap-bin-files", action="store_true",
-                   help="read the .bin files with file reads instead of mmap")
-    g.add_argument("--mock-data", action="store_true")
-    g.add_argument("--data-cache-path", type=str, default=None)
-    g.add_argument("--num-workers", type=int, default=2)
-    add_tokenizer_arguments(g, type_help="default GPT2BPETokenizer (as Megatron-LM's "
-                            "pretrain_gpt.py); NullTokenizer with --mock-data and no --vocab-file")
-    g.add_argument("--reset-position-ids", action="store_true")
-    g.add_argument("--reset-attention-mask", action="store_true")
-    g.add_argument("--eod-mask-loss", action="store_true")
-    g.add_argument("--sft", action="store_true", help="fine-tune on the JSONL conversations "
-                   "of --data-path, packed into --seq-length (docs/training.md)")
-    g.add_argument("--sft-tokenizer-prompt-format", choices=tuple(PROMPT_FORMATS),
-                   default=DEFAULT_PROMPT_FORMAT, help="SFTTokenizer's prompt format; "
-                   "chat-template (ours, named for apply_chat_template, which renders it): "
-                   "the tokenizer's chat template as default, the loss on the assistant turns "
-                   "only (docs/training.md)")
+    add_tokenizer_arguments(add_flags(parser, DataConfig, "data"), type_help="default "
+                            "GPT2BPETokenizer (as Megatron-LM's pretrain_gpt.py); NullTokenizer "
+                            "with --mock-data and no --vocab-file")
 
 
 def _read_data_args(args) -> None:
     """--data-args-path / --per-split-data-args-path: the data paths from a file, as
     Megatron-LM reads them (whitespace-separated words; JSON per split)."""
-    for flag, path, given in (("--data-args-path", args.data_args_path, args.data_path),
+    for option, path, given in (("--data-args-path", args.data_args_path, args.data_path),
                               ("--per-split-data-args-path", args.per_split_data_args_path,
                                any(getattr(args, f"{name}_data_path") for name in SPLIT_NAMES))):
         if path is None:
             continue
-        require(not given, f"give {flag} or the data paths it holds, not both")
+        require(not given, f"give {option} or the data paths it holds, not both")
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except (OSError, UnicodeDecodeError) as error:
-            raise ConfigError(f"{flag} {path}: cannot read it ({error})") from None
-        if flag == "--data-args-path":
+            raise ConfigError(f"{option} {path}: cannot read it ({error})") from None
+        if option == "--data-args-path":
             args.data_path = text.split()
             continue
         try:
@@ -111,16 +104,15 @@ def _read_data_args(args) -> None:
                 setattr(args, f"{name}_data_path", words.split() if isinstance(words, str)
                         else [str(word) for word in words] if words else None)
         except (ValueError, AttributeError) as error:
-            raise ConfigError(f"{flag} {path}: not a JSON object of the train, valid and test "
+            raise ConfigError(f"{option} {path}: not a JSON object of the train, valid and test "
                               f"paths ({error})") from None
 
 
 def _check_sft(args, ctx: Context) -> None:
     """--sft: JSONL data, SFTTokenizer, positions and attention restarted by the dataset."""
     if args.tokenizer_type != "SFTTokenizer":
-        ignore_without(args, ctx, "--tokenizer-type SFTTokenizer", (
-            ("--sft-tokenizer-prompt-format", "sft_tokenizer_prompt_format",
-             DEFAULT_PROMPT_FORMAT),))
+        ignore_without(args, ctx, "--tokenizer-type SFTTokenizer",
+                       off_without(DataConfig, "--tokenizer-type SFTTokenizer"))
     if not args.sft:
         return
     require(not args.mock_data, "--sft reads JSONL conversations from --data-path (or "
@@ -165,11 +157,11 @@ def validate(args, ctx: Context) -> None:
                                else "GPT2BPETokenizer")
     _check_sft(args, ctx)
     try:  # the files' contents are checked by pretrain_gpt.py (check_data_path)
-        for flag, words in [("--data-path", args.data_path)] + [
+        for option, words in [("--data-path", args.data_path)] + [
                 (f"--{name}-data-path", words) for name, words in per_split.items()]:
             if words:
-                parse_data_path(words, flag, jsonl=args.sft)
-                setattr(args, flag[2:].replace("-", "_"), tuple(words))
+                parse_data_path(words, option, jsonl=args.sft)
+                setattr(args, option[2:].replace("-", "_"), tuple(words))
     except (ValueError, OSError) as error:
         raise ConfigError(str(error)) from None
     if args.tokenizer_type == "NullTokenizer":

@@ -53,12 +53,15 @@ def option_of(cls, name: str) -> str:
     return spec.names[0] if spec.names else "--" + name.replace("_", "-")
 
 
-def add_flags(parser, cls, title: str, description: str = None):
-    """The argparse group `title` of `cls`'s own flag fields."""
+def add_flags(parser, cls, title: str, description: str = None, required: bool = True):
+    """The argparse group `title` of `cls`'s own flag fields (`required=False`: none is, as
+    with --use-checkpoint-args). A `dest` option makes an alias that sets another field."""
     group = parser.add_argument_group(title, description)
     hints = typing.get_type_hints(cls)
     for name, spec in flags_of(cls):
         options = {"default": spec.default, **spec.options}
+        if not required:
+            options.pop("required", None)
         annotation = hints[name]
         if typing.get_origin(annotation) is typing.ClassVar:
             annotation = typing.get_args(annotation)[0]
@@ -68,8 +71,9 @@ def add_flags(parser, cls, title: str, description: str = None):
             options.pop("default", None)
         elif len(base) == 1 and base[0] in (int, float) and "action" not in options:
             options.setdefault("type", base[0])
-        group.add_argument(*(spec.names or ("--" + name.replace("_", "-"),)), dest=name,
-                           help=spec.help, **options)
+        options.setdefault("dest", name)
+        group.add_argument(*(spec.names or ("--" + name.replace("_", "-"),)), help=spec.help,
+                           **options)
     return group
 
 

@@ -1,6 +1,7 @@
 """The kernel-fusion part of the model section: GPU fusions on by default as in Megatron-LM
 (each flag turns one off), the cross-entropy fusion off by default."""
 
+import importlib.util
 from dataclasses import dataclass
 
 from ...sp.backends import te_available
@@ -41,3 +42,10 @@ def validate(args, ctx: Context) -> None:
             require(ctx.cuda and te_available(),
                     "--cross-entropy-fusion-impl te needs CUDA and Transformer Engine; use "
                     "native")
+
+
+def gradient_accumulation_fusion(config, cuda: bool) -> bool:
+    """Whether weight gradients accumulate fused into main_grad: TE's layers do it themselves,
+    megatron-core's need apex's kernel; without it off, as Megatron-LM turns it off."""
+    return cuda and not config.no_gradient_accumulation_fusion and \
+        importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None

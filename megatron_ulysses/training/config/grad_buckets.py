@@ -19,18 +19,15 @@ class GradBucketFields:
     """DistributedDataParallelConfig's bucket fields (defaults: megatron-core's)."""
 
     ddp_bucket_size: Optional[int] = _flag(
-        None, "parameters per gradient bucket (default: megatron-core's, max(40M, 1M x DP x SP) "
-        "with --overlap-grad-reduce, else one bucket)")
+        None, "parameters per gradient bucket (default: megatron-core's)")
     ddp_num_buckets: Optional[int] = _flag(
         None, "split the gradients into this many buckets (megatron-core >= 0.19)")
     ddp_pad_buckets_for_high_nccl_busbw: bool = _flag(
         False, "pad each bucket to a multiple of 2^16 elements")
     ddp_reduce_scatter_with_fp32_accumulation: bool = _flag(
-        False, "reduce-scatter low-precision gradients, accumulating in fp32 (with "
-        "--grad-reduce-in-bf16; off with fp32 reduction, as in Megatron-LM)")
+        False, "reduce-scatter low-precision gradients, accumulating in fp32")
     ddp_param_name_patterns_for_fp32_local_accumulation: Tuple[str, ...] = _flag(
-        [], "fnmatch patterns of parameters whose gradients accumulate locally in fp32 "
-        "(megatron-core >= 0.19)", nargs="+")
+        [], "parameters (fnmatch) whose gradients accumulate locally in fp32", nargs="+")
     gradient_reduce_div_fusion: bool = _flag(
         True, "divide the gradients after their reduction, not fused into it",
         names=("--no-gradient-reduce-div-fusion",))

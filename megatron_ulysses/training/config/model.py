@@ -3,7 +3,7 @@ GPTModel build reads). Its activation-memory and fusion flags are `memory.py`'s 
 `fusions.py`'s, whose fields `ModelConfig` takes in."""
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -11,67 +11,126 @@ from ...sp.rope import YARN_DEFAULTS, yarn_mscale
 from ...sp.backends import BACKENDS, resolve_backend, te_available
 from ...errors import ConfigError, flag_name
 from .checks import Context, check_positive, check_range, ignore_without, number, require
+from .fields import add_flags, flag, off_without
 from .fusions import FusionFields
 from .memory import MemoryFields
 from .parallel import PipelineFields
+
+
+_YARN_ON = "--position-embedding-type yarn"
+_YARN = "with " + _YARN_ON
 
 
 @dataclass(frozen=True)
 class ModelConfig(MemoryFields, FusionFields, PipelineFields):
     """The model's shape, numerics and memory features (what the GPTModel build reads)."""
 
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int
-    kv_channels: int
-    seq_length: int
-    max_position_embeddings: int
-    position_embedding_type: str
-    rotary_base: int
-    rotary_percent: float
-    use_rope_scaling: bool
-    rope_scaling_factor: float
-    rotary_seq_len_interpolation_factor: Optional[float]
-    rotary_scaling_factor: float  # YaRN's (--position-embedding-type yarn), as the next six
-    yarn_original_max_position_embeddings: Optional[int]
-    yarn_beta_fast: Optional[float]
-    yarn_beta_slow: Optional[float]
-    mscale: float
-    mscale_all_dim: float
-    yarn_correction_range_round_to_int: Optional[bool]
-    normalization: str
-    norm_epsilon: float
-    swiglu: bool
-    untie_embeddings_and_output_weights: bool
-    disable_bias_linear: bool
-    add_qkv_bias: bool
-    qk_layernorm: bool
-    attention_dropout: float
-    hidden_dropout: float
-    init_method_std: float
-    make_vocab_size_divisible_by: int
-    sequence_parallel: bool
-    bf16: bool
-    fp16: bool
-    ulysses_attention_backend: str
-    transformer_impl: str  # the layer spec: "transformer_engine" or "local"
-    attention_backend: str  # Megatron-LM's: TE's kernel family (auto, flash, fused, unfused) or local
-    deterministic_mode: bool
-    apply_layernorm_1p: bool  # megatron-core's layernorm_zero_centered_gamma
-    squared_relu: bool
-    rotary_interleaved: bool
-    init_method_xavier_uniform: bool
-    use_mup: bool
-    mup_base_hidden_size: Optional[int]
-    test_mode: bool
-    te_rng_tracker: bool
-    use_cpu_initialization: bool
+    ulysses_attention_backend: str = flag(
+        "auto", "the attention between the all-to-alls (docs/training.md); auto: te in TE's "
+        "layers, else sdpa", choices=("auto",) + BACKENDS)
+    transformer_impl: str = flag(  # the layer spec: "transformer_engine" or "local"
+        None, "the layers around attention; default transformer_engine with TE and CUDA",
+        choices=("transformer_engine", "local"))
+    attention_backend: str = flag(  # TE's kernel family (auto, flash, fused, unfused) or local
+        "auto", "TE's attention kernels of --ulysses-attention-backend te, or local",
+        choices=("auto", "flash", "fused", "unfused", "local"))
+    num_layers: int = flag(None, required=True)
+    hidden_size: int = flag(None, required=True)
+    ffn_hidden_size: int = flag(None, "default 4 x hidden size")
+    num_attention_heads: int = flag(None, required=True)
+    group_query_attention: ClassVar[bool] = flag(False, kept=False)
+    num_query_groups: int = flag(
+        None, "with --group-query-attention (default 1 there, as in Megatron-LM)")
+    kv_channels: int = flag(None, "default hidden / heads")
+    seq_length: int = flag(None, required=True)
+    max_position_embeddings: int = flag(None, "default --seq-length")
+    position_embedding_type: str = flag(
+        "learned_absolute", "none: NoPE; yarn: RoPE with YaRN scaling",
+        choices=("rope", "yarn", "learned_absolute", "none"))
+    use_rotary_position_embeddings: ClassVar[str] = flag(
+        None, "= --position-embedding-type rope (Megatron-LM's older flag)",
+        action="store_const", dest="position_embedding_type", const="rope", kept=False)
+    rotary_base: int = flag(10000)
+    rotary_percent: float = flag(1.0)
+    use_rope_scaling: bool = flag(False, "llama3 RoPE frequency scaling",
+                                  needs="--position-embedding-type rope")
+    rope_scaling_factor: float = flag(8.0, "the llama3 scaling factor of --use-rope-scaling")
+    rotary_seq_len_interpolation_factor: Optional[float] = flag(
+        None, "linear RoPE position interpolation: positions / factor", type=number,
+        needs="--position-embedding-type rope")
+    # YaRN's (Megatron-LM's names and defaults; unset ones get `YARN_DEFAULTS`)
+    rotary_scaling_factor: float = flag(
+        1.0, f"YaRN's context scaling factor (HF rope_scaling.factor), {_YARN}",
+        needs=_YARN_ON)
+    yarn_original_max_position_embeddings: Optional[int] = flag(
+        None, f"the context the model was trained at (default 4096), {_YARN}",
+        needs=_YARN_ON)
+    yarn_beta_fast: Optional[float] = flag(
+        None, f"YaRN's high-frequency boundary in rotations (default 32), {_YARN}",
+        needs=_YARN_ON)
+    yarn_beta_slow: Optional[float] = flag(
+        None, f"YaRN's low-frequency boundary in rotations (default 1), {_YARN}",
+        needs=_YARN_ON)
+    mscale: float = flag(1.0, f"YaRN's cos / sin scale, {_YARN}", needs=_YARN_ON)
+    mscale_all_dim: float = flag(0.0, f"the denominator's mscale of --mscale, {_YARN}",
+                                 needs=_YARN_ON)
+    yarn_correction_range_round_to_int: Optional[bool] = flag(
+        None, f"round YaRN's correction range to integers (the default), {_YARN}",
+        action="store_true", needs=_YARN_ON)
+    no_yarn_correction_range_round_to_int: ClassVar[bool] = flag(
+        True, f"keep YaRN's correction range fractional (HF truncate false), {_YARN}",
+        dest="yarn_correction_range_round_to_int", kept=False)
+    normalization: str = flag("LayerNorm", choices=("LayerNorm", "RMSNorm"))
+    norm_epsilon: float = flag(1e-5)
+    swiglu: bool = flag(False)
+    squared_relu: bool = flag(False, "the MLP's activation is relu(x)^2 (not with --swiglu)")
+    apply_layernorm_1p: bool = flag(  # megatron-core's layernorm_zero_centered_gamma
+        False, "norms scale by 1 + w (zero-centered gamma)")
+    rotary_interleaved: bool = flag(
+        False, "RoPE rotates (even, odd) pairs (GPT-J), not halves",
+        needs="--position-embedding-type rope")
+    untie_embeddings_and_output_weights: bool = flag(False)
+    disable_bias_linear: bool = flag(False)
+    add_qkv_bias: bool = flag(
+        False, "biases on the q/k/v projection only (Qwen2), with --disable-bias-linear")
+    qk_layernorm: bool = flag(False)
+    attention_dropout: float = flag(0.1)
+    hidden_dropout: float = flag(0.1)
+    init_method_std: float = flag(0.02)
+    init_method_xavier_uniform: bool = flag(
+        False, "xavier_uniform_ linear weights (not --init-method-std's normal)")
+    make_vocab_size_divisible_by: int = flag(128)
     # --padded-vocab-size, or from the tokenizer by `pretrain` (`vocab.model_vocab_size`)
-    padded_vocab_size: Optional[int] = None
-    pad_vocab_size: bool = True  # --no-pad-vocab-size: the tokenizer's rows, not padded
-    embedding_init_method_std: Optional[float] = None  # default --init-method-std
+    padded_vocab_size: Optional[int] = flag(
+        None, "the model's vocabulary rows (default: the tokenizer's, padded)")
+    pad_vocab_size: bool = flag(
+        True, "no vocab padding: the tokenizer's rows (must divide by TP)",
+        names=("--no-pad-vocab-size", "--disable-pad-vocab-size"))
+    embedding_init_method_std: Optional[float] = flag(  # default --init-method-std
+        None, "the embedding's init std (default --init-method-std)")
+    # Megatron-LM's attention and MLP variants: their defaults (what this model is) only.
+    softmax_type: ClassVar[str] = flag(
+        "vanilla", "only vanilla (the standard softmax) here",
+        choices=("vanilla", "off-by-one", "learnable"), kept=False)
+    rope_type: ClassVar[Optional[str]] = flag(
+        None, "only rope here (YaRN: --position-embedding-type yarn)",
+        choices=("rope", "yarn"), kept=False)
+    glu_linear_offset: ClassVar[float] = flag(
+        0.0, "only 0 here (the gated MLP is silu(x0) * x1)", kept=False)
+    sequence_parallel: bool = flag(False)
+    bf16: bool = flag(False)
+    fp16: bool = flag(False)
+    deterministic_mode: bool = flag(
+        False, "bitwise reproducible GPU runs and resumes (deterministic kernels; slower)")
+    te_rng_tracker: bool = flag(
+        False, "Transformer Engine's CUDA RNG tracker (GPU, TE's layers)")
+    use_cpu_initialization: bool = flag(
+        False, "initialise the weights on the CPU (CPU runs always do)")
+    test_mode: bool = flag(False, "megatron-core's test_mode: extra self-checks in its layers")
+    use_mup: bool = flag(
+        False, "Maximal Update Parametrization (megatron-core >= 0.19)")
+    mup_base_hidden_size: Optional[int] = flag(
+        None, "the base width of --use-mup (default --hidden-size)", needs="--use-mup")
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -80,151 +139,7 @@ class ModelConfig(MemoryFields, FusionFields, PipelineFields):
 
 def add_arguments(parser, model_flags_required: bool = True) -> None:
     """`model_flags_required=False` (with --use-checkpoint-args): the checkpoint gives them."""
-    g = parser.add_argument_group("model")
-    _add_layer_arguments(g)
-    _add_shape_arguments(g, model_flags_required)
-    g.add_argument("--sequence-parallel", action="store_true")
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
-    g.add_argument("--deterministic-mode", action="store_true",
-                   help="bitwise run-to-run and resume reproducibility on GPU: deterministic "
-                   "TE attention (NVTE_ALLOW_NONDETERMINISTIC_ALGO=0), deterministic torch and "
-                   "cuBLAS kernels, megatron-core's deterministic embedding backward; slower")
-    g.add_argument("--te-rng-tracker", action="store_true",
-                   help="Transformer Engine's CUDA RNG tracker (megatron-core's "
-                   "te_rng_tracker); GPU with --transformer-impl transformer_engine only")
-    g.add_argument("--use-cpu-initialization", action="store_true",
-                   help="initialise the weights on the CPU, then move them (megatron-core's "
-                   "use_cpu_initialization; CPU runs always do)")
-    g.add_argument("--test-mode", action="store_true",
-                   help="megatron-core's test_mode: extra self-checks in its layers")
-    g.add_argument("--use-mup", action="store_true",
-                   help="Maximal Update Parametrization (megatron-core >= 0.19's): init and "
-                   "learning rates scaled by --hidden-size / --mup-base-hidden-size")
-    g.add_argument("--mup-base-hidden-size", type=int, default=None,
-                   help="the base width of --use-mup (default --hidden-size)")
-
-
-def _add_layer_arguments(g) -> None:
-    g.add_argument("--ulysses-attention-backend", choices=("auto",) + BACKENDS, default="auto",
-                   help="The attention between the all-to-alls: te (Transformer Engine), sdpa "
-                   "(torch), local (megatron-core), flash (FlashAttention-4: Hopper / "
-                   "Blackwell, bf16 / fp16, --attention-dropout 0; pip install "
-                   "'megatron_ulysses[flash]'); auto = te with --transformer-impl "
-                   "transformer_engine, else sdpa (never flash).")
-    g.add_argument("--transformer-impl", choices=("transformer_engine", "local"), default=None,
-                   help="The layers around attention (as Megatron-LM): Transformer Engine's "
-                   "(norm fused into the linear layers) or megatron-core's local ones; default "
-                   "transformer_engine where TE and CUDA are there, else local.")
-    g.add_argument("--attention-backend", choices=("auto", "flash", "fused", "unfused", "local"),
-                   default="auto", help="Megatron-LM's: flash / fused / unfused pick Transformer "
-                   "Engine's attention kernels (--ulysses-attention-backend te), local is "
-                   "--ulysses-attention-backend local; auto leaves both to their defaults")
-
-
-def _add_shape_arguments(g, required: bool) -> None:
-    g.add_argument("--num-layers", type=int, required=required)
-    g.add_argument("--hidden-size", type=int, required=required)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden size")
-    g.add_argument("--num-attention-heads", type=int, required=required)
-    g.add_argument("--group-query-attention", action="store_true")
-    g.add_argument("--num-query-groups", type=int, default=None,
-                   help="with --group-query-attention (default 1 there, as in Megatron-LM)")
-    g.add_argument("--kv-channels", type=int, default=None, help="default hidden / heads")
-    g.add_argument("--seq-length", type=int, required=required)
-    g.add_argument("--max-position-embeddings", type=int, default=None,
-                   help="default --seq-length")
-    _add_position_arguments(g)
-    g.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--squared-relu", action="store_true",
-                   help="the MLP's activation is relu(x)^2 (not with --swiglu)")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="norms keep gamma - 1: weights start at 0 and scale by 1 + w "
-                   "(megatron-core's layernorm_zero_centered_gamma), LayerNorm and RMSNorm")
-    g.add_argument("--rotary-interleaved", action="store_true",
-                   help="RoPE rotates (even, odd) pairs (GPT-J) instead of halves; not with "
-                   "TE's fused RoPE (add --no-rope-fusion on GPU)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--add-qkv-bias", action="store_true",
-                   help="biases on the q/k/v projection only (Qwen2), with --disable-bias-linear")
-    g.add_argument("--qk-layernorm", action="store_true")
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--init-method-xavier-uniform", action="store_true",
-                   help="initialise the linear weights with xavier_uniform_ (not "
-                   "--init-method-std's normal)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--padded-vocab-size", type=int, default=None,
-                   help="the model's vocabulary rows as given (>= the tokenizer's, divisible "
-                   "by TP); default: the tokenizer's rounded up to --make-vocab-size-"
-                   "divisible-by x TP")
-    g.add_argument("--no-pad-vocab-size", "--disable-pad-vocab-size", dest="pad_vocab_size",
-                   action="store_false", help="no vocab padding: the model has the tokenizer's "
-                   "rows (or --padded-vocab-size), which must divide by TP")
-    g.add_argument("--embedding-init-method-std", type=float, default=None,
-                   help="the std of the embedding's normal initialization (default "
-                   "--init-method-std), megatron-core's embedding_init_method_std")
-    _add_variant_arguments(g)
-
-
-
-def _add_position_arguments(g) -> None:
-    """Position information: learned, RoPE (its base, share, scaling, interpolation), YaRN or
-    none."""
-    g.add_argument("--position-embedding-type",
-                   choices=("rope", "yarn", "learned_absolute", "none"),
-                   default="learned_absolute", help="none: no position information (NoPE), "
-                   "yarn: RoPE with YaRN scaling (megatron-core's YarnRotaryEmbedding), as "
-                   "megatron-core's GPTModel")
-    g.add_argument("--use-rotary-position-embeddings", action="store_const",
-                   dest="position_embedding_type", const="rope",
-                   help="= --position-embedding-type rope (Megatron-LM's older flag)")
-    g.add_argument("--rotary-base", type=int, default=10000)
-    g.add_argument("--rotary-percent", type=float, default=1.0)
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="llama3 RoPE frequency scaling (megatron-core's; with "
-                   "--position-embedding-type rope)")
-    g.add_argument("--rope-scaling-factor", type=float, default=8.0,
-                   help="the llama3 scaling factor of --use-rope-scaling")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=number, default=None,
-                   help="linear RoPE position interpolation: positions / factor")
-    _add_yarn_arguments(g)
-
-
-def _add_yarn_arguments(g) -> None:
-    """YaRN's (Megatron-LM's names and defaults; unset ones get `YARN_DEFAULTS`)."""
-    yarn = "with --position-embedding-type yarn"
-    g.add_argument("--rotary-scaling-factor", type=float, default=1.0,
-                   help=f"YaRN's context scaling factor (HF rope_scaling.factor), {yarn}")
-    g.add_argument("--yarn-original-max-position-embeddings", type=int, default=None,
-                   help=f"the context the model was trained at (default 4096), {yarn}")
-    g.add_argument("--yarn-beta-fast", type=float, default=None,
-                   help=f"YaRN's high-frequency boundary in rotations (default 32), {yarn}")
-    g.add_argument("--yarn-beta-slow", type=float, default=None,
-                   help=f"YaRN's low-frequency boundary in rotations (default 1), {yarn}")
-    g.add_argument("--mscale", type=float, default=1.0, help="cos / sin are scaled by "
-                   "(0.1 * mscale * ln(factor) + 1) / (the same with --mscale-all-dim), " + yarn)
-    g.add_argument("--mscale-all-dim", type=float, default=0.0,
-                   help=f"the denominator's mscale of --mscale, {yarn}")
-    g.add_argument("--yarn-correction-range-round-to-int", action="store_true", default=None,
-                   help=f"round YaRN's correction range to integers (the default), {yarn}")
-    g.add_argument("--no-yarn-correction-range-round-to-int", action="store_false",
-                   dest="yarn_correction_range_round_to_int",
-                   help=f"keep YaRN's correction range fractional (HF truncate false), {yarn}")
-
-def _add_variant_arguments(g) -> None:
-    """Megatron-LM's attention and MLP variants: their defaults (what this model is) only."""
-    g.add_argument("--softmax-type", choices=("vanilla", "off-by-one", "learnable"),
-                   default="vanilla", help="only vanilla (the standard softmax) here")
-    g.add_argument("--rope-type", choices=("rope", "yarn"), default=None,
-                   help="only rope here (Megatron-LM's standard attention takes no other; "
-                   "YaRN is --position-embedding-type yarn)")
-    g.add_argument("--glu-linear-offset", type=float, default=0.0,
-                   help="only 0 here (the gated MLP is silu(x0) * x1)")
+    add_flags(parser, ModelConfig, "model", required=model_flags_required)
 
 
 def check_values(args) -> None:
@@ -276,8 +191,7 @@ def _check_model_options(args, ctx: Context) -> None:
             f"--padded-vocab-size ({args.padded_vocab_size}) must be divisible by "
             f"--tensor-model-parallel-size ({ctx.dims.tp})")
     if not args.use_mup:  # megatron-core reads it only with MuP
-        ignore_without(args, ctx, "--use-mup",
-                       (("--mup-base-hidden-size", "mup_base_hidden_size", None),))
+        ignore_without(args, ctx, "--use-mup", off_without(ModelConfig, "--use-mup"))
     else:
         require(mup_supported(), "--use-mup needs megatron-core >= 0.19 (its MuP init and "
                 f"optimizer groups); this is megatron-core {megatron_core_version()}")
@@ -380,12 +294,12 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
     given = ""
     if args.attention_backend != "auto":
         ours = "local" if args.attention_backend == "local" else "te"
+        given = (f"--attention-backend {args.attention_backend} runs "
+                 f"--ulysses-attention-backend {ours}")
         require(args.ulysses_attention_backend in ("auto", ours),
-                f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
-                f"{ours}, not {args.ulysses_attention_backend}; drop one of the two")
+                f"{given}, not {args.ulysses_attention_backend}; drop one of the two")
         args.ulysses_attention_backend = ours
-        given = (f"--attention-backend {args.attention_backend} runs --ulysses-attention-backend "
-                 f"{ours} here (drop it to get the default): ")
+        given += " here (drop it to get the default): "
     try:  # te without Transformer Engine or CUDA fails here, not when the model is built
         if args.ulysses_attention_backend != "auto":
             resolve_backend(args.ulysses_attention_backend)
@@ -408,23 +322,16 @@ def _resolve_layers_and_attention(args, cuda: bool) -> None:
 
 def _yarn_options(args) -> tuple:
     """(flag, dest, default) of the YaRN flags, as given (--no-yarn-correction-...)."""
-    def given(name):
-        off = name == "yarn_correction_range_round_to_int" and getattr(args, name) is False
-        return "--no-" + flag_name(name)[2:] if off else flag_name(name)
-
-    return tuple((given(name), name, None if name.startswith("yarn_") else default)
-                 for name, default in YARN_DEFAULTS.items())
+    return tuple(("--no-" + option[2:] if getattr(args, name) is False else option, name, default)
+                 for option, name, default in off_without(ModelConfig, _YARN_ON))
 
 
 def _check_rope(args, ctx: Context) -> None:
     if args.position_embedding_type != "yarn":  # megatron-core reads them only with yarn
-        ignore_without(args, ctx, "--position-embedding-type yarn", _yarn_options(args))
+        ignore_without(args, ctx, _YARN_ON, _yarn_options(args))
     if args.position_embedding_type not in ("rope", "yarn"):  # no rotary embedding built
-        ignore_without(args, ctx, "--position-embedding-type rope", (
-            ("--use-rope-scaling", "use_rope_scaling", False),
-            ("--rotary-seq-len-interpolation-factor", "rotary_seq_len_interpolation_factor",
-             None),
-            ("--rotary-interleaved", "rotary_interleaved", False)))
+        ignore_without(args, ctx, "--position-embedding-type rope",
+                       off_without(ModelConfig, "--position-embedding-type rope"))
         return
     if args.position_embedding_type == "yarn":
         _check_yarn(args)
@@ -448,7 +355,7 @@ def _check_yarn(args) -> None:
     """What megatron-core's `YarnRotaryEmbedding` builds (all dims, non-interleaved halves, none
     of the other scalings), its unset flags filled in as Megatron-LM's model build does, and
     values whose tables and cos / sin factor are finite."""
-    yarn = "--position-embedding-type yarn"
+    yarn = _YARN_ON
     require(not args.rotary_interleaved, f"{yarn} rotates halves (megatron-core's "
             "YarnRotaryEmbedding refuses interleaved pairs): drop --rotary-interleaved")
     require(args.rotary_percent == 1.0, f"{yarn} rotates every head dimension (megatron-core's "

@@ -33,35 +33,28 @@ class OptimizerConfig:
     lr_warmup_samples: ClassVar[int] = flag(0, "warmup in samples (with --train-samples)",
                                             kept=False)
     lr_warmup_fraction: ClassVar[Optional[float]] = flag(
-        None, "warmup as a fraction of the decay length (instead of --lr-warmup-iters / "
-        "--lr-warmup-samples)", kept=False)
+        None, "warmup as a fraction of the decay length", kept=False)
     lr_warmup_init: float = flag(0.0, "the LR warmup starts from")
     lr_decay_iters: int = flag(None, "default --train-iters")
     lr_decay_samples: ClassVar[Optional[int]] = flag(
         None, "with --train-samples; default --train-samples", kept=False)
     decoupled_lr: Optional[float] = flag(
-        None, "max LR of the input embedding and output layer (megatron-core's param groups); "
-        "the others keep --lr")
+        None, "max LR of the input embedding and output layer (the others: --lr)")
     decoupled_min_lr: Optional[float] = flag(
         None, "min LR of the --decoupled-lr group; default --min-lr")
     weight_decay: float = flag(0.01)
     start_weight_decay: float = flag(None, "with --weight-decay-incr-style linear/cosine")
     end_weight_decay: float = flag(None, "with --weight-decay-incr-style linear/cosine")
     weight_decay_incr_style: str = flag(
-        "constant", "weight decay from --start-weight-decay to --end-weight-decay over the run; "
-        "constant: --weight-decay", choices=("constant", "linear", "cosine"))
+        "constant", "weight decay from --start-weight-decay to --end-weight-decay",
+        choices=("constant", "linear", "cosine"))
     apply_wd_to_qk_layernorm: bool = flag(
-        False, "weight decay on the q/k layernorm weights too (other 1-D params and biases "
-        "stay without)")
+        False, "weight decay on the q/k layernorm weights too")
     no_weight_decay_cond_type: ClassVar[Optional[str]] = flag(
         None, "Megatron-LM's deprecated spelling of --apply-wd-to-qk-layernorm",
         choices=("apply_wd_to_qk_layernorm",), kept=False)
     calculate_per_token_loss: bool = flag(
-        False, "accepted: describes what we always do (the loss and its gradients are "
-        "normalized by the unmasked tokens of the whole global batch). Without it Megatron-LM "
-        "divides each micro batch by its own token count instead; we do not, so gradients "
-        "differ from Megatron-LM's default when micro batches hold different token counts "
-        "(--eod-mask-loss)")
+        False, "accepted: the loss is always per token over the global batch")
     adam_beta1: float = flag(0.9)
     adam_beta2: float = flag(0.999)
     adam_eps: float = flag(1e-8)
@@ -70,28 +63,23 @@ class OptimizerConfig:
         False, _SCHEDULER + "these flags, not from the checkpoint",
         names=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
     use_checkpoint_opt_param_scheduler: bool = flag(
-        False, _SCHEDULER + "the checkpoint (without either flag a schedule that differs from "
-        "the flags is an error)",
+        False, _SCHEDULER + "the checkpoint",
         names=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"))
     loss_scale: Optional[float] = flag(None, "static fp16 loss scale; default dynamic")
     initial_loss_scale: Optional[float] = flag(
-        None, "dynamic fp16 loss scale to start from; default 2^20 / the tokens of one micro "
-        "batch on one rank (rounded up to a power of 2), since each rank backpropagates the "
-        "SUM of its per-token losses (Megatron-LM's 2^32 skipped every step of a short run "
-        "while it halved)")
+        None, "dynamic fp16 loss scale to start from; default 2^20 / a rank's micro batch "
+        "tokens")
     min_loss_scale: float = flag(1.0)
     loss_scale_window: float = flag(1000)
     hysteresis: int = flag(2)
     use_distributed_optimizer: bool = flag(False)
     overlap_grad_reduce: bool = flag(
-        False, "each bucket's gradient reduction over DP x SP starts during the backward of "
-        "the step's last micro batch")
+        False, "gradient reductions over DP x SP overlap the last micro batch's backward")
     # with overlap_grad_reduce: the schedule launches each reduction (Megatron-LM's
     # DistributedInitConfig field: both spellings its argument factory makes)
     align_grad_reduce: bool = flag(
-        True, "with --overlap-grad-reduce and PP > 1: each pipeline stage starts its "
-        "reductions as its gradients are ready, instead of the pipeline schedule starting "
-        "every stage's at the same point of the schedule (the default)",
+        True, "with --overlap-grad-reduce and PP > 1: each stage starts its reductions as "
+        "ready",
         names=("--no-align-grad-reduce", "--disable-align-grad-reduce"))
     # The scheduler's lengths in samples (Megatron-LM's get_optimizer_param_scheduler).
     lr_warmup_steps: float  # a fraction of the decay need not be whole (Megatron-LM's)

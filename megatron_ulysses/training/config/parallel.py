@@ -30,14 +30,12 @@ class PipelineFields:
     the parallel sizes' flags (`ClassVar`s: `parallel_dims` reads them)."""
 
     ulysses_sp_size: ClassVar[int] = flag(
-        1, "Ulysses SP size P: one sequence is split over P ranks (taken out of data "
-        "parallelism); SP rank r gets ceil or floor of (heads / TP) / P heads, so P may be up "
-        "to --num-attention-heads / TP.", kept=False)
+        1, "Ulysses SP size: one sequence is split over this many ranks (docs/training.md)",
+        kept=False)
     tensor_model_parallel_size: ClassVar[int] = flag(1, kept=False)
     pipeline_model_parallel_size: ClassVar[int] = flag(1, kept=False)
     context_parallel_size: ClassVar[int] = flag(
-        1, "Megatron-LM's context parallelism: only 1 here; Ulysses SP (--ulysses-sp-size) "
-        "splits the sequence instead", kept=False)
+        1, "only 1 here (--ulysses-sp-size splits the sequence)", kept=False)
     cp_comm_type: ClassVar[Tuple[str, ...]] = flag(
         ["p2p"], "context parallelism's exchange; no effect at --context-parallel-size 1",
         nargs="+", choices=CP_COMM_TYPES, kept=False)
@@ -52,8 +50,7 @@ class PipelineFields:
         True, "create no extra gloo groups in megatron-core's parallel state",
         names=("--disable-gloo-process-groups",))
     use_tp_pp_dp_mapping: bool = flag(
-        False, "rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp; Ulysses SP groups "
-        "stay blocks of consecutive data-parallel ranks")
+        False, "rank order tp-pp-dp (Megatron-LM's) instead of tp-dp-pp")
     # Megatron-LM's pipeline layout flags: they need --pipeline-model-parallel-size > 1
     decoder_first_pipeline_num_layers: Optional[int] = flag(None)
     decoder_last_pipeline_num_layers: Optional[int] = flag(None)
@@ -64,8 +61,8 @@ class PipelineFields:
     account_for_loss_in_pipeline_split: bool = flag(False)
     overlap_p2p_communication_warmup_flush: bool = flag(False)
     overlap_p2p_comm: bool = flag(  # only the interleaved schedule overlaps, as in Megatron-LM
-        True, "the interleaved schedule's sends and receives are batched instead of overlapped "
-        "with compute (needs PP > 2)", names=("--no-overlap-p2p-communication",))
+        True, "the interleaved schedule's sends and receives do not overlap compute",
+        names=("--no-overlap-p2p-communication",))
     # the virtual pipeline: model chunks per rank (None: one), derived from either flag
     virtual_pipeline_model_parallel_size: Optional[int]
 

@@ -7,22 +7,16 @@ piece and with Megatron-LM's meaning and rules.
     precision-aware optimizer, CPU offload  -> megatron-core's OptimizerConfig (`optimizer_kwargs`)
     deferred embedding wgrad (PP > 1)       -> TransformerConfig
 
-FP8 runs inside each rank's layers: the Ulysses all-to-alls move q/k/v and the attention output
-in the activation dtype (bf16/fp16), and `--fp8-dot-product-attention` makes the attention
-between the two all-to-alls FP8 (TE's kernel, so only --ulysses-attention-backend te).
-Sharded data parallelism (`training/fsdp.py`): --use-torch-fsdp2 (megatron-core's FSDP2 wrapper,
-CPU and GPU) and --use-megatron-fsdp with --data-parallel-sharding-strategy (GPU), both sharding
-over DP x SP, with Megatron-LM's rules; Megatron-FSDP's buffer options and TP comm overlap
-(userbuffers) and CUDA graphs are validated as Megatron-LM validates them, then refused in one
-message: they are not wired into this package's model build. The options of a feature that
-is off (FP8's without --fp8-format, the CPU offload's without --optimizer-cpu-offload, ...) are
-ignored with one warning, as Megatron-LM ignores them. Every other flag here but
---use-torch-fsdp2 needs CUDA: on CPU one message names those given.
+FP8 runs inside each rank's layers (the Ulysses all-to-alls move bf16 / fp16). Sharded data
+parallelism (`training/fsdp.py`): --use-torch-fsdp2 (CPU and GPU) and --use-megatron-fsdp (GPU),
+both over DP x SP. Features not wired here (Megatron-FSDP's buffer options, TP comm overlap,
+CUDA graphs) are validated as Megatron-LM validates them, then refused in one message. Options
+of a feature that is off are ignored with one warning; every flag but --use-torch-fsdp2's needs
+CUDA.
 """
 
 import dataclasses
 import functools
-import importlib.util
 import os
 from typing import ClassVar, Optional
 
@@ -33,6 +27,7 @@ from ...errors import ConfigError
 from .checks import Context, check_range, ignore_without, require
 from . import fields
 from .fields import add_flags, flag
+from .fusions import gradient_accumulation_fusion
 from .grad_buckets import GradBucketFields
 from .megatron_lm.refused import not_wired, refuse_values
 
@@ -64,22 +59,18 @@ class PerformanceConfig(GradBucketFields):
     `ClassVar` flags are Megatron-LM's, validated here, then refused."""
 
     fp8: Optional[str] = _flag(  # Transformer Engine's FP8 GEMMs and attention
-        None, "FP8 GEMMs in Transformer Engine's layers (needs --transformer-impl "
-        "transformer_engine and --bf16/--fp16); hybrid: e4m3 forward, e5m2 backward",
+        None, "FP8 GEMMs in TE's layers; hybrid: e4m3 forward, e5m2 backward",
         names=("--fp8-format",), choices=("e4m3", "hybrid"))
     fp8_recipe: str = _fp8(
-        "delayed", "FP8 scaling: delayed (amax history), tensorwise (current scaling), "
-        "blockwise (Hopper+); mxfp8 needs Blackwell",
+        "delayed", "FP8 scaling (blockwise: Hopper+, mxfp8: Blackwell)",
         choices=("delayed", "tensorwise", "blockwise", "mxfp8", "custom"))
     fp8_margin: int = _fp8(0, "FP8 scaling-factor margin")
     fp8_amax_history_len: int = _fp8(1, "delayed scaling: the amax history length")
     fp8_amax_compute_algo: str = _fp8("most_recent", "delayed scaling: amax from the history",
                                       choices=("most_recent", "max"))
-    fp8_param_gather: bool = _fp8(False, "keep the compute weights in FP8 and all-gather them "
-                                  "in FP8 (with --use-distributed-optimizer)")
+    fp8_param_gather: bool = _fp8(False, "FP8 compute weights, all-gathered in FP8")
     fp8_dot_product_attention: bool = _fp8(
-        False, "FP8 core attention between the two all-to-alls (TE's kernel: "
-        "--ulysses-attention-backend te only)")
+        False, "FP8 core attention between the all-to-alls (refused for now)")
     fp8_wgrad: bool = _fp8(True, "weight gradients in bf16 / fp16, not FP8",
                            names=("--no-fp8-wgrad", "--disable-fp8-wgrad"))
     first_last_layers_bf16: bool = _fp8(
@@ -89,25 +80,19 @@ class PerformanceConfig(GradBucketFields):
     num_layers_at_end_in_bf16: int = _fp8(
         1, "with --first-last-layers-bf16: the last layers kept in bf16")
     overlap_param_gather: bool = _flag(
-        False, "the distributed optimizer's param all-gather overlaps the next forward (needs "
-        "--use-distributed-optimizer and --overlap-grad-reduce)")
+        False, "the distributed optimizer's param all-gather overlaps the next forward")
     # the interleaved schedule launches each chunk's all-gather (Megatron-LM's rule: only
     # there, so the config's default is off)
     align_param_gather: bool = dataclasses.field(default=False, metadata=flag(
-        True, "with --overlap-param-gather and a virtual pipeline: each pipeline stage starts "
-        "its all-gathers as its forward needs them, instead of the interleaved schedule "
-        "starting every stage's at the same point (the default)",
+        True, "with a virtual pipeline: each stage starts its all-gathers as it needs them",
         names=("--no-align-param-gather",), cpu=True).metadata)
     overlap_param_gather_with_optimizer_step: ClassVar[bool] = _flag(
-        False, "refused, as Megatron-LM refuses it with torch_dist checkpoints (this package's "
-        "only format)", kept=False)
+        False, "refused (as Megatron-LM, with torch_dist checkpoints)", kept=False)
     grad_reduce_in_bf16: bool = _flag(
         False, "with --bf16: accumulate and reduce gradients in bf16 (default fp32)",
         needs="--bf16")
     ddp_average_in_collective: ClassVar[bool] = _flag(
-        False, "accepted: the gradient is always summed over DP x SP and divided by the global "
-        "batch's token count (per-token loss), so where the division happens does not change "
-        "it", kept=False, cpu=True)
+        False, "accepted: changes nothing with the per-token loss", kept=False, cpu=True)
     # the distributed optimizer's instances, the precision-aware optimizer, megatron-core's
     # CPU offload (HybridDeviceOptimizer)
     num_distributed_optimizer_instances: int = _flag(
@@ -115,13 +100,11 @@ class PerformanceConfig(GradBucketFields):
     use_precision_aware_optimizer: bool = _flag(
         False, "TE's FusedAdam with low-precision states (distributed optimizer)")
     optimizer_cpu_offload: bool = _flag(
-        False, "optimizer states and step on the CPU (megatron-core's HybridDeviceOptimizer; "
-        "needs --use-precision-aware-optimizer)")
+        False, "optimizer states and step on the CPU (HybridDeviceOptimizer)")
     optimizer_offload_fraction: float = _offload(
         1.0, "with --optimizer-cpu-offload: the fraction of states on the CPU")
     overlap_cpu_optimizer_d2h_h2d: bool = _offload(
-        False, "with --optimizer-cpu-offload: overlap the CPU optimizer step with the "
-        "gradients' device-to-host and the parameters' host-to-device copies")
+        False, "with --optimizer-cpu-offload: overlap its step with the copies")
     use_torch_optimizer_for_cpu_offload: bool = _offload(
         False, "with --optimizer-cpu-offload: torch's AdamW on the GPU share too")
     pin_cpu_grads: bool = _offload(
@@ -135,8 +118,7 @@ class PerformanceConfig(GradBucketFields):
     exp_avg_dtype: str = _dtype(choices=tuple(_DTYPES))
     exp_avg_sq_dtype: str = _dtype(choices=tuple(_DTYPES))
     disable_bf16_reduced_precision_matmul: bool = _flag(
-        False, "with --bf16: cuBLAS accumulates bf16 GEMMs in full precision (torch's "
-        "allow_bf16_reduced_precision_reduction off)")
+        False, "with --bf16: cuBLAS accumulates bf16 GEMMs in full precision")
     tp_comm_overlap: ClassVar[bool] = _flag(
         False, "TE userbuffers TP overlap: validated, not wired yet (refused)", kept=False)
     tp_comm_overlap_cfg: ClassVar[Optional[str]] = _flag(
@@ -146,26 +128,22 @@ class PerformanceConfig(GradBucketFields):
         "none", "CUDA graphs: only none (the others are not wired)", kept=False,
         choices=("none", "local", "transformer_engine", "full_iteration"))
     defer_embedding_wgrad_compute: bool = _flag(
-        False, "PP > 1: the output layer's weight-gradient GEMMs run in the pipeline flush "
-        "(needs gradient-accumulation fusion)")
+        False, "PP > 1: the output layer's wgrad GEMMs run in the pipeline flush")
     wgrad_deferral_limit: int = _flag(
         0, "micro batches whose output-layer wgrad is deferred (0: all)",
         needs="--defer-embedding-wgrad-compute")
     # Megatron FSDP and torch FSDP2; Megatron-FSDP's other options validated, then refused
     use_megatron_fsdp: bool = _flag(
-        False, "megatron-core's Megatron-FSDP over DP x SP, with its distributed optimizer "
-        "(GPU; no checkpoints: its fsdp_dtensor format is not written here)")
+        False, "Megatron-FSDP over DP x SP (GPU; no checkpoints)")
     use_torch_fsdp2: bool = _flag(
-        False, "megatron-core's torch FSDP2 wrapper over DP x SP: parameters, gradients and "
-        "Adam moments sharded (CPU and GPU; torch_dist checkpoints)", cpu=True)
+        False, "torch FSDP2 over DP x SP (ZeRO-3; CPU and GPU)", cpu=True)
     torch_fsdp2_reshard_after_forward: bool = _flag(
-        True, "with --use-torch-fsdp2: keep the gathered parameters from the forward to the "
-        "backward (ZeRO-2)", names=("--torch-fsdp2-no-reshard-after-forward",),
+        True, "with --use-torch-fsdp2: keep the gathered parameters (ZeRO-2)",
+        names=("--torch-fsdp2-no-reshard-after-forward",),
         needs="--use-torch-fsdp2", cpu=True)
     data_parallel_sharding_strategy: str = _fsdp(
-        "optim_grads_params", "with --use-megatron-fsdp: what is sharded over DP x SP: "
-        "no_shard (nothing), optim (optimizer state), optim_grads (+ gradients), "
-        "optim_grads_params (+ parameters)", choices=_SHARDING)
+        "optim_grads_params", "with --use-megatron-fsdp: what is sharded over DP x SP",
+        choices=_SHARDING)
     init_model_with_meta_device: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp",
                                                         kept=False)
     nccl_ub: ClassVar[bool] = _flag(False, "with --use-megatron-fsdp", names=("--use-nccl-ub",),
@@ -270,9 +248,7 @@ def validate(args, ctx: Context) -> None:
             "--defer-embedding-wgrad-compute defers the output layer's GEMM, which "
             "--tiled-loss-shards computes per tile: drop one")
     # megatron-core's TransformerConfig refuses it without the fused wgrad accumulation
-    require(not args.defer_embedding_wgrad_compute or (
-        not args.no_gradient_accumulation_fusion
-        and importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+    require(not args.defer_embedding_wgrad_compute or gradient_accumulation_fusion(args, True),
         "--defer-embedding-wgrad-compute needs gradient-accumulation fusion (apex's "
         "fused_weight_gradient_mlp_cuda, without --no-gradient-accumulation-fusion)")
     _check_tp_comm_overlap(args, ctx)
@@ -443,8 +419,7 @@ def _check_torch_fsdp2(args, ctx: Context) -> None:
             f"x --ulysses-sp-size (it is {shards}): an FSDP2 shard of a TP rank's fused "
             "[gate; up] rows must lie in one half to be checkpointed")
     # TE's and apex's fused wgrad accumulation write DDP's main_grad, which FSDP2 has not.
-    require(not (ctx.cuda and not args.no_gradient_accumulation_fusion and
-                 importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None),
+    require(not gradient_accumulation_fusion(args, ctx.cuda),
             "--use-torch-fsdp2 is not supported with gradient-accumulation fusion (as in "
             "Megatron-LM): add --no-gradient-accumulation-fusion")
 

@@ -22,11 +22,10 @@ class TrainingConfig:
     micro_batch_size: int = flag(None, required=True)
     global_batch_size: int = flag(None, "default micro batch x data-parallel size")
     decrease_batch_size_if_needed: ClassVar[bool] = flag(
-        False, "round --global-batch-size down to a multiple of micro batch x data-parallel "
-        "size (instead of an error)", kept=False)
+        False, "round --global-batch-size down to a multiple of micro batch x DP", kept=False)
     dataloader_type: ClassVar[Optional[str]] = flag(
-        None, "only single here (Megatron-LM's default: the pretraining sampler, resumable at "
-        "any sample)", choices=("single", "cyclic", "external"), kept=False)
+        None, "only single here (Megatron-LM's default)",
+        choices=("single", "cyclic", "external"), kept=False)
     train_iters: int = flag(None)
     train_samples: ClassVar[Optional[int]] = flag(
         None, "instead of --train-iters: samples / global batch size iterations", kept=False)
@@ -35,53 +34,44 @@ class TrainingConfig:
     start_eval_at_iter: Optional[int] = flag(  # no evaluation before this iteration
         None, "evaluate every --eval-interval from this iteration on")
     skip_train: bool = flag(
-        False, "no training: load the weights at --load, evaluate --eval-iters validation "
-        "batches (from the start of the valid split), print the validation line and exit "
-        "(--train-iters, --lr and --save are not needed)")
+        False, "no training: evaluate the weights at --load on --eval-iters batches and exit")
     seed: int = flag(1234)
     exit_interval: Optional[int] = flag(None)
     exit_duration_in_mins: Optional[float] = flag(
-        None, "save a checkpoint (with --save) and exit once the run has taken this many "
-        "minutes (checked after every iteration, the same on every rank)", type=number)
+        None, "save (with --save) and exit after this many minutes", type=number)
     exit_signal_handler: bool = flag(
         False, "on --exit-signal: save a checkpoint (with --save) and exit")
     exit_signal: ClassVar[str] = flag(
-        "SIGTERM", "the signal of --exit-signal-handler, by name (only SIGTERM here: the helper "
-        "processes block SIGTERM alone, so another signal would kill them)", kept=False)
+        "SIGTERM", "the signal of --exit-signal-handler (only SIGTERM here)", kept=False)
     check_for_nan_in_loss_and_grad: bool = flag(
-        True, "train on past a NaN loss or a NaN / Inf gradient (without it the run stops "
-        "before that update, which would turn the weights into NaN; with --fp16 the loss "
-        "scaler skips such steps instead)", names=("--no-check-for-nan-in-loss-and-grad",))
+        True, "train on past a NaN loss or a NaN / Inf gradient",
+        names=("--no-check-for-nan-in-loss-and-grad",))
     distributed_backend: str = flag(None, "default nccl with CUDA, gloo without",
                                     choices=("nccl", "gloo"))
     distributed_timeout_minutes: int = flag(10)
     # batch-size ramps, evaluation batches, GC, memory, rerun checks, profiling
     rampup_batch_size: ClassVar[Optional[Tuple[int, int, int]]] = flag(
-        None, "grow the global batch from START by INCREMENT over SAMPLES samples up to "
-        "--global-batch-size (Megatron-LM's older ramp)", nargs=3, type=int,
+        None, "grow the global batch from START by INCREMENT over SAMPLES samples",
+        nargs=3, type=int,
         metavar=("START", "INCREMENT", "SAMPLES"), kept=False)
     step_batch_size_schedule: ClassVar[Optional[str]] = flag(
-        None, "'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T "
-        "suffixes); excludes --global-batch-size. One word or several: the unquoted expansion "
-        "of a bash array splits it", nargs="+", kept=False)
+        None, "'THRESHOLD:BS ...': global batch BS from THRESHOLD tokens on (K/M/B/T)",
+        nargs="+", kept=False)
     batch_size_schedule: Optional[batch_schedule.Schedule]  # --rampup / --step-batch-size-*
     eval_micro_batch_size: int = flag(None, "default --micro-batch-size")
     eval_global_batch_size: int = flag(None, "default --global-batch-size")
     data_parallel_random_init: bool = flag(
-        False, "dropout streams seeded per data-parallel replica (seed + 10 x DP rank); the "
-        "weights are DP rank 0's, as Megatron-LM broadcasts them")
+        False, "dropout streams seeded per data-parallel replica (seed + 10 x DP rank)")
     manual_gc: bool = flag(
-        False, "python's GC off; collect every --manual-gc-interval iterations and around "
-        "evaluations, the same on every rank")
+        False, "python's GC off; collect every --manual-gc-interval iterations")
     manual_gc_interval: int = flag(0, "0: collect only around evaluations")
     manual_gc_eval: bool = flag(True, "with --manual-gc: no collection around evaluations",
                                 names=("--no-manual-gc-eval", "--disable-manual-gc-eval"))
     empty_unused_memory_level: int = flag(
-        0, "torch.cuda.empty_cache() after each step (1), also after evaluation (2); nothing "
-        "on CPU", choices=(0, 1, 2))
+        0, "torch.cuda.empty_cache() after each step (1), also after evaluation (2)",
+        choices=(0, 1, 2))
     rerun_mode: str = flag(
-        "validate_results", "validate_results: the NaN check of the loss (no re-run of the "
-        "iteration); disabled: the loss is not checked (gradients still are)",
+        "validate_results", "validate_results: the loss's NaN check; disabled: none",
         choices=("disabled", "validate_results", "report_stats"))
     check_for_large_grads: ClassVar[bool] = flag(False, _RERUN_ENGINE, kept=False)
     check_for_spiky_loss: ClassVar[bool] = flag(False, _RERUN_ENGINE, kept=False)
@@ -91,15 +81,11 @@ class TrainingConfig:
         "transient_error", "with --error-injection-rate", kept=False,
         choices=("correct_result", "transient_error", "persistent_error"))
     check_weight_hash_across_dp_replicas_interval: Optional[int] = flag(
-        None, "every N iterations: raise unless every DP x SP replica holds the same weights "
-        "(megatron-core's check_param_hashes_across_dp_replicas)")
+        None, "every N iterations: raise unless every DP x SP replica holds the same weights")
     profile: bool = flag(
-        False, "profile the iterations numbered [--profile-step-start, --profile-step-end) in "
-        "the log with --use-pytorch-profiler; without it an nsys range (cudaProfilerStart/Stop, "
-        "GPU only) one iteration later, as Megatron-LM's")
+        False, "profile iterations [--profile-step-start, --profile-step-end): torch or nsys")
     use_pytorch_profiler: bool = flag(
-        False, "torch.profiler; rank R's chrome trace in "
-        "<--tensorboard-dir>/../torch_profile/rank-R.json.gz")
+        False, "torch.profiler (traces in <--tensorboard-dir>/../torch_profile)")
     profile_step_start: int = flag(10)
     profile_step_end: int = flag(12)
     profile_ranks: Tuple[int, ...] = flag([], "default every rank", nargs="+", type=int)
