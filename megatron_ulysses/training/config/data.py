@@ -145,6 +145,11 @@ def validate(args, ctx: Context) -> None:
         raise ConfigError(str(error)) from None
     _read_data_args(args)
     per_split = {name: getattr(args, f"{name}_data_path") for name in SPLIT_NAMES}
+    split_default = DataConfig.__dataclass_fields__["split"].metadata["flag"].default
+    require(not any(per_split.values()) or args.split == split_default,
+            f"--split {args.split} divides --data-path's documents; with --train/valid/test-data-"
+            "path each split has its own data: drop --split (Megatron-LM refuses the two "
+            "together too)")
     sources = [flag for flag, given in (("--mock-data", args.mock_data),
                                         ("--data-path", bool(args.data_path)),
                                         ("--train/valid/test-data-path", any(per_split.values())))
