@@ -277,7 +277,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         runs = [load_run(path) for path in args.inputs]
     except InputError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
-        return 1
+        return 2
     labels = args.labels or default_labels(args.inputs)
     try:
         plot(runs, labels, args.output, args.title)

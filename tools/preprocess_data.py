@@ -398,14 +398,14 @@ def main(argv: Optional[List[str]] = None) -> int:
         if num_docs > 0:
             staged.publish()
 
-    print_summary(args, paths, num_docs, num_tokens, skipped, max(time.time() - start, 1e-9))
     if num_docs == 0:
         print(
             f"error: no usable documents in --input {args.input!r} for --json-keys "
-            f"{' '.join(args.json_keys)}; nothing written",
+            f"{' '.join(args.json_keys)} ({len(skipped)} skipped lines); nothing written",
             file=sys.stderr,
         )
-        return 1
+        return 2
+    print_summary(args, paths, num_docs, num_tokens, skipped, max(time.time() - start, 1e-9))
     return 0
 
 

@@ -149,7 +149,7 @@ def test_log_without_iteration_lines_is_an_error(tmp_path, capsys):
                      " validation loss at iteration 1 | lm loss value: 1 |\n")
     with pytest.raises(plot_run.InputError, match="empty.log.*no iteration lines"):
         plot_run.parse_log(empty)
-    assert plot_run.main([str(empty), "--output", str(tmp_path / "e.png")]) == 1
+    assert plot_run.main([str(empty), "--output", str(tmp_path / "e.png")]) == 2
     assert str(empty) in capsys.readouterr().err
     assert not (tmp_path / "e.png").exists()
 

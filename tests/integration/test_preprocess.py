@@ -88,8 +88,10 @@ def test_bad_lines_are_reported_with_line_numbers(tmp_path, sp_model, capsys):
 def test_only_bad_lines_fails_without_output(tmp_path, sp_model, capsys):
     source = tmp_path / "bad.jsonl"
     source.write_text("not json\n", encoding="utf-8")
-    assert preprocess(source, tmp_path / "out", sp_model) == 1
-    assert "no usable documents in --input" in capsys.readouterr().err
+    assert preprocess(source, tmp_path / "out", sp_model) == 2
+    err = capsys.readouterr().err
+    assert "no usable documents in --input" in err and "1 skipped lines" in err
+    assert "done:" not in err
     assert not list(tmp_path.glob("out*"))
 
 
