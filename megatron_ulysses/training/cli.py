@@ -88,10 +88,23 @@ def report_unexpected(prog: str, error: BaseException, ending=None) -> int:
     return 1
 
 
+def worker_error(error: BaseException) -> BaseException:
+    """`error` as a DataLoader worker raised it: torch re-raises a worker's exception in the
+    main process as the same type, with "Caught ... Original Traceback ..." before its message."""
+    text, marker = str(error), f"{type(error).__name__}: "
+    if not (text.startswith("Caught ") and "\nOriginal Traceback" in text and marker in text):
+        return error
+    try:
+        return type(error)(text[text.rindex(marker) + len(marker):].strip())
+    except Exception:  # a type whose constructor takes more than the message
+        return error
+
+
 def run_distributed(prog: str, body, reporters=None, ending=None) -> int:
     """Run `body()` (it starts the process groups) and tear the groups down after it. A
     `ConfigError` (a file or a --load found bad) is one message by rank 0, exit 2; `reporters`
-    maps other exception types to a function that reports one and returns the exit status;
+    maps other exception types to a function that reports one (as raised, also from a DataLoader
+worker) and returns the exit status;
     anything else is `report_unexpected`'s (with `ending`). Helper processes are killed at the
     end (on an error first), and with several ranks any error exits at once (`leave`)."""
     import torch.distributed as dist
@@ -111,7 +124,7 @@ def run_distributed(prog: str, body, reporters=None, ending=None) -> int:
                        if isinstance(error, kind)), None)
         if report is None:
             return leave(report_unexpected(prog, error, ending))
-        return leave(report(error))
+        return leave(report(worker_error(error)))
     finally:  # reached on success, or alone (with several ranks an error left above)
         stop_children()  # also on success: something may still hold a DataLoader's iterator
         if ps.is_initialized():

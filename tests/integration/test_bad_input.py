@@ -384,6 +384,28 @@ def test_pretrain_gpt_reports_a_data_error_raised_in_training(monkeypatch, capsy
                       "the tokenizer's vocabulary of 64 ids")
 
 
+def test_a_data_error_from_a_dataloader_worker_is_one_line(monkeypatch, capsys):
+    """torch re-raises a worker's DataError with the worker's traceback in its message; the
+    user gets the message it was raised with."""
+    sys.path.insert(0, str(REPO_ROOT))
+    import pretrain_gpt
+    from torch._utils import ExceptionWrapper
+
+    from megatron_ulysses.training import loop
+
+    def bad_batch(config):
+        try:
+            raise DataError("--data-path chat.jsonl line 3: conversation 1 has no turns")
+        except DataError:
+            ExceptionWrapper(where="in DataLoader worker process 0").reraise()
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(loop, "pretrain", bad_batch)
+    assert pretrain_gpt.main(BASE) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "pretrain_gpt.py: error: --data-path chat.jsonl line 3: conversation 1 has no turns"]
+
+
 def test_token_ids_outside_the_vocabulary_end_the_run_with_one_message(files, tmp_path):
     result = run_cli([*MODEL, *RUN, "--data-path", files["d100"], "--split", "1",
                       "--tokenizer-type", "NullTokenizer", "--vocab-size", "50"])
