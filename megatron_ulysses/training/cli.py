@@ -7,6 +7,10 @@ import sys
 import time
 
 RANK_0_GRACE_S = 30  # how long the other ranks give rank 0 to report an error and exit
+# A collective that failed because another rank is gone (gloo's words; NCCL's watchdog aborts):
+# that rank says why, so this one waits for torchrun to stop it before it says anything.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing")
+PEER_GRACE_S = 5
 
 
 def is_rank_0() -> bool:
@@ -70,7 +74,8 @@ def stop_children() -> None:
 
 def report_unexpected(prog: str, error: BaseException, ending=None) -> int:
     """Ctrl-C (SIGINT): one line by rank 0, exit status 130 (128 + SIGINT). Any other error:
-    its traceback and one line naming it and the rank, exit status 1. `ending()`: where the run
+    its traceback and one line naming it and the rank, exit status 1 (a collective failed by a
+    rank that is gone first waits `PEER_GRACE_S` for torchrun). `ending()`: where the run
     stopped and what it leaves, appended to the line."""
     import traceback
 
@@ -81,6 +86,9 @@ def report_unexpected(prog: str, error: BaseException, ending=None) -> int:
         if is_rank_0():
             print(f"{prog}: interrupted (SIGINT){tail}", file=sys.stderr, flush=True)
         return 130
+    if any(words in str(error) for words in PEER_GONE):
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's stop ends the wait
+        time.sleep(PEER_GRACE_S)
     traceback.print_exc()
     first = (str(error).strip().splitlines() or [""])[0][:300]
     print(f"{prog}: error: {type(error).__name__} on rank {os.environ.get('RANK', '0')}: "
