@@ -283,18 +283,21 @@ def encoded(encoder: Encoder, lines: Iterator[Line], workers: int, chunk_size: i
     """``encoder.encode`` of ``lines`` in order, by a pool of ``workers`` processes (none for
     one); leaving the block stops the pool."""
     pool = None
-    if workers > 1:
-        pool = multiprocessing.Pool(workers, initializer=encoder.initializer)
-        results = pool.imap(encoder.encode, lines, chunk_size)
-    else:
-        results = map(encoder.encode, lines)
     try:
+        if workers > 1:
+            pool = multiprocessing.Pool(workers, initializer=encoder.initializer)
+            results = pool.imap(encoder.encode, lines, chunk_size)
+        else:
+            results = map(encoder.encode, lines)
         yield results
     finally:
         # Every result has been consumed unless we are unwinding an error, so nothing is lost.
         if pool is not None:
             pool.terminate()
             pool.join()
+        else:  # a SIGTERM inside Pool() leaves the workers it had forked, idle, holding stderr
+            for child in multiprocessing.active_children():
+                child.kill()
 
 
 def add_documents(args: argparse.Namespace, encoder: Encoder, builders: Dict, paths: List[str],
