@@ -1,4 +1,5 @@
-"""Random Hugging Face models for the conversion tests (CPU and GPU tiers)."""
+"""Random Hugging Face models and the one-document dataset of the conversion tests (CPU and
+GPU tiers)."""
 
 import torch
 
@@ -16,3 +17,19 @@ def save_random_model(path, config, model_class):
             param.copy_(1 + 0.1 * noise if "norm" in name else 0.15 * noise)
     model.save_pretrained(path)
     return path
+
+
+def one_document_dataset(tmp_path, vocab: int, length: int):
+    """(tokens, prefix): two copies of one random `length`-token document as an indexed dataset
+    at `tmp_path/doc` (with --split 50,50,0 every sample is that document)."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    tokens = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(3))
+    prefix = str(tmp_path / "doc")
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for _ in range(2):
+        builder.add_item(tokens.to(torch.int32))
+        builder.end_document()
+    builder.finalize(prefix + ".idx")
+    return tokens, prefix

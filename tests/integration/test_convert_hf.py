@@ -169,16 +169,9 @@ def test_first_loss_of_the_imported_model_is_hf_loss(hf_dir, checkpoint, tmp_pat
     # Two copies of one 64-token document (split 50,50,0): every sample is that document. The
     # import pads no vocab rows (padded logits would enter the softmax), so iteration 1's loss
     # (before any update) is HF's.
-    import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+    from hf_models import one_document_dataset
 
-    tokens = torch.randint(0, VOCAB, (64,), generator=torch.Generator().manual_seed(3))
-    prefix = str(tmp_path / "doc")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    for _ in range(2):
-        builder.add_item(tokens.to(torch.int32))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
+    tokens, prefix = one_document_dataset(tmp_path, VOCAB, 64)
     got = losses(_train(1, checkpoint, data=(
         "--data-path", prefix, "--split", "50,50,0", "--tokenizer-type", "NullTokenizer",
         "--data-cache-path", str(tmp_path / "cache"))))

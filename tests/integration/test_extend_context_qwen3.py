@@ -17,7 +17,7 @@ import pytest
 import torch
 import transformers
 from conftest import REPO_ROOT
-from hf_models import save_random_model
+from hf_models import one_document_dataset, save_random_model
 from launcher import pretrain
 from sft_data import SFT_JSONL, save_sft_tokenizer, words
 from test_cli import losses, losses_of
@@ -69,20 +69,6 @@ def _run_recipe(hf_dir, tmp_path):
                           timeout=300)
 
 
-def _document(tmp_path):
-    """Two copies of one SEQ-token document (split 50,50,0: every sample is that document)."""
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
-    tokens = torch.randint(0, VOCAB, (SEQ,), generator=torch.Generator().manual_seed(3))
-    prefix = str(tmp_path / "doc")
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
-    for _ in range(2):
-        builder.add_item(tokens.to(torch.int32))
-        builder.end_document()
-    builder.finalize(prefix + ".idx")
-    return tokens, prefix
-
-
 def test_recipe_imports_yarn_pretrains_finetunes_and_exports_what_transformers_runs(tmp_path):
     hf_dir = _tiny_qwen3(tmp_path / "qwen3")
     run = _run_recipe(hf_dir, tmp_path)
@@ -96,7 +82,7 @@ def test_recipe_imports_yarn_pretrains_finetunes_and_exports_what_transformers_r
             config["max_position_embeddings"]) == ("yarn", 4.0, 16, SEQ), config
     assert (out / "tokenizer.json").is_file()
     # The trained model (not the imported one) is what transformers loads, and gives its loss.
-    tokens, prefix = _document(tmp_path)
+    tokens, prefix = one_document_dataset(tmp_path, VOCAB, SEQ)
     got = losses(pretrain(2, [
         "--load", str(tmp_path / "run" / "checkpoints" / "sft"), "--use-checkpoint-args",
         "--finetune", "--no-use-tokenizer-model-from-checkpoint-args",
